@@ -1,0 +1,31 @@
+# trillm: `make serve` and `make test` are the quick start (see README.md).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TEST_TIMEOUT ?= 3000
+
+.PHONY: venv test lint bench clean
+
+venv: $(STAMP)
+
+# torch==2.13.0 first: it is the CPU build on local disk; an open range would pull CUDA.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+test: venv
+	timeout $(TEST_TIMEOUT) $(PY) -m pytest -q
+
+lint: venv
+	$(VENV)/bin/ruff check lib tests perf
+	$(VENV)/bin/ruff format --check lib tests perf
+	$(VENV)/bin/mypy lib
+
+bench: venv
+	$(PY) perf/transport_bench.py --json perf/results/transport_bench.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info lib/*.egg-info .pytest_cache .mypy_cache .ruff_cache

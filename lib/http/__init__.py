@@ -1,0 +1,4 @@
+"""OpenAI-compatible HTTP face over the engine's `AsyncLLM` (DESIGN.md §9).
+
+Filled in by the HTTP-server issue.
+"""

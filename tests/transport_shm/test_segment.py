@@ -1,0 +1,118 @@
+"""Segments never leak: kill -9 after the handshake, sweeps before it, clear ENOSPC."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import posix_ipc
+import pytest
+
+from trillm.transport_shm import (
+    RingWriter,
+    Segment,
+    SharedMemorySpaceError,
+    sweep_stale_segments,
+)
+
+from .peers import Peers
+
+
+def read_report(proc: subprocess.Popen[bytes]) -> dict[str, object]:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line, "the peer exited before reporting"
+    report: dict[str, object] = json.loads(line)
+    return report
+
+
+def is_dead(pid: int) -> bool:
+    """Whether `pid` is gone or a zombie (killed, not yet reaped by its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def kill_and_wait(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 10
+    while not is_dead(pid):
+        assert time.monotonic() < deadline, f"process {pid} survived SIGKILL"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("creator_role", ["writer", "reader"])
+@pytest.mark.parametrize("victims", ["creator", "peer", "both"])
+def test_kill_9_after_handshake_leaves_nothing(
+    peers: Peers, shm_names: Callable[[], set[str]], creator_role: str, victims: str
+) -> None:
+    proc = peers.spawn("pair", creator_role, "1")
+    report = read_report(proc)
+    name = str(report["name"]).lstrip("/")
+    assert name not in shm_names()  # unlinked at the handshake, while both live
+    creator, peer = int(str(report["creator"])), int(str(report["peer"]))
+    targets = {"creator": [creator], "peer": [peer], "both": [creator, peer]}[victims]
+    for pid in targets:
+        kill_and_wait(pid)
+    assert not {n for n in shm_names() if n.startswith(f"trillm-{creator}-")}
+    for pid in (peer, creator):  # the survivor, and the peer orphaned by its creator's death
+        kill_and_wait(pid)
+
+
+def test_kill_9_before_handshake_is_swept_by_the_next_start(
+    peers: Peers, shm_names: Callable[[], set[str]]
+) -> None:
+    proc = peers.spawn("pair", "writer", "0")
+    name = str(read_report(proc)["name"]).lstrip("/")
+    assert name in shm_names()
+    assert os.stat(f"/dev/shm/{name}").st_mode & 0o777 == 0o600
+    proc.kill()
+    proc.wait(10)
+    assert name in shm_names()  # leaked by the kill ...
+    with RingWriter.create(4096):  # ... until the next start sweeps it
+        assert name not in shm_names()
+
+
+def test_sweep_keeps_segments_of_live_processes(shm_names: Callable[[], set[str]]) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = f"/trillm-{dead.pid}-00ff"
+    live = f"/trillm-{os.getpid()}-00ff"
+    for name in (stale, live):
+        posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, size=64).close_fd()
+    try:
+        removed = sweep_stale_segments()
+        assert stale.lstrip("/") in removed
+        assert live.lstrip("/") in shm_names()
+    finally:
+        for name in (stale, live):
+            try:
+                posix_ipc.unlink_shared_memory(name)
+            except posix_ipc.ExistentialError:
+                pass
+
+
+def test_too_large_segment_fails_at_creation_naming_size_and_free_space(
+    shm_names: Callable[[], set[str]],
+) -> None:
+    stat = os.statvfs("/dev/shm")
+    size = stat.f_blocks * stat.f_frsize + 4096
+    before = shm_names()
+    with pytest.raises(SharedMemorySpaceError, match=rf"cannot reserve {size} bytes .* free"):
+        Segment.create(size)
+    assert shm_names() == before
+
+
+def test_attach_to_a_missing_segment_says_why() -> None:
+    with pytest.raises(FileNotFoundError, match="its creator died or unlinked it"):
+        Segment.attach("/trillm-1-doesnotexist", 4096)
