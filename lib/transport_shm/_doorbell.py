@@ -1,7 +1,8 @@
 """An eventfd doorbell: how a ring's sleeping side is woken.
 
 An eventfd is one kernel counter behind a file descriptor: `ring` adds one (a ``write``),
-a wait sleeps until it is non-zero and then resets it (a ``read``). Because it is an fd, a trio
+a wait sleeps until it is non-zero, and the waiter resets it (a ``read``) before it next
+sleeps. Because it is an fd, a trio
 task waits for it with `trio.lowlevel.wait_readable` (no thread), and a plain thread blocks on
 it with ``poll`` and a timeout. It is inherited by child processes through ``pass_fds``, so it
 has no name to leak. The ring rings it only when its waiter said it is about to sleep (the
@@ -43,12 +44,20 @@ class Doorbell:
             if not self._closed:
                 raise
 
-    def _drain(self) -> bool:
+    def clear(self) -> None:
+        """Reset the counter; a sleeper calls this *before* it announces that it sleeps.
+
+        Clearing on the way to sleep, not after waking, keeps the ``read`` system call off
+        the wake-up path: a woken waiter returns at once and the fd stays readable until its
+        next sleep.
+        """
         try:
             os.eventfd_read(self.fd)
         except BlockingIOError:
-            return False
-        return True
+            pass
+        except OSError:
+            if not self._closed:
+                raise
 
     def wait(self, timeout: float | None) -> None:
         """Block the thread until rung; `timeout` as in posix-ipc (None, 0, > 0 seconds).
@@ -57,24 +66,17 @@ class Doorbell:
             BusyError: not rung within `timeout`.
             trio.ClosedResourceError: this doorbell was closed.
         """
-        if self._closed:
-            raise trio.ClosedResourceError("the doorbell was closed")
-        if self._drain():
-            return
-        if timeout is not None and timeout <= 0:
-            raise BusyError("the doorbell was not rung")
+        deadline = None if timeout is None else time.monotonic() + timeout
         poller = select.poll()
         poller.register(self.fd, select.POLLIN)
-        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise BusyError(f"the doorbell was not rung within {timeout} s")
-            poller.poll(None if left is None else math.ceil(left * 1000))
             if self._closed:
                 raise trio.ClosedResourceError("the doorbell was closed")
-            if self._drain():
+            left = None if deadline is None else deadline - time.monotonic()
+            if poller.poll(None if left is None else max(0, math.ceil(left * 1000))):
                 return
+            if left is not None and deadline is not None and time.monotonic() >= deadline:
+                raise BusyError(f"the doorbell was not rung within {timeout} s")
 
     async def wait_async(self) -> None:
         """Sleep the trio task until rung (cancellable).
@@ -82,12 +84,9 @@ class Doorbell:
         Raises:
             trio.ClosedResourceError: this doorbell was closed, also while waiting.
         """
-        while True:
-            if self._closed:
-                raise trio.ClosedResourceError("the doorbell was closed")
-            await trio.lowlevel.wait_readable(self.fd)
-            if self._drain():
-                return
+        if self._closed:
+            raise trio.ClosedResourceError("the doorbell was closed")
+        await trio.lowlevel.wait_readable(self.fd)
 
     def close(self) -> None:
         """Close the fd, waking a trio task that waits on it (idempotent)."""

@@ -22,6 +22,13 @@ reader i's line only by reader i. Lines are 128 bytes apart (two cache lines) so
 prefetcher cannot make one side's stores invalidate the other's counter. ``tail`` and ``head``
 are byte positions that only grow; ``position & (capacity - 1)`` is the offset in the data.
 H is the header rounded up to a page, so the data starts page-aligned.
+
+``waiting`` is 0 while its owner is awake. A sleeping reader stores a new epoch (1, 2, ...)
+each time it sleeps; the writer rings once per epoch, however many records it publishes
+while the reader is waking up. A sleeping writer stores the head position every reader must
+pass before it rings (a quarter ring beyond what the record needs: a full ring drains a
+while before the writer wakes, instead of one system call per record); each reader rings
+once per such value.
 """
 
 from __future__ import annotations

@@ -13,12 +13,15 @@ import trio
 
 from . import _layout as L
 from ._doorbell import Doorbell
-from ._errors import BusyError
 from ._layout import RingAddress
-from ._ring import RECORD_HEADER, RingStatistics, _RingEnd, deadline_after, remaining
+from ._ring import RECORD_HEADER, RingStatistics, _RingEnd
 from ._segment import Segment
 
 _unpack_header = RECORD_HEADER.unpack_from
+_W_TAIL = L.W_TAIL
+_W_CLOSED = L.W_TAIL + L.OFF_CLOSED
+_W_WAITING = L.W_TAIL + L.OFF_WAITING
+_WRAP = L.WRAP
 
 Record = tuple[int, memoryview]  # (kind, payload), valid until `release`
 
@@ -79,6 +82,8 @@ class RingReader(_RingEnd):
         self._tail_seen = 0  # a lower bound of the writer's tail
         self._pending: Record | None = None
         self._pending_bytes = 0
+        self._sleep_epoch = 0  # our `waiting` word while we sleep: a new value each time
+        self._rung_at = 0  # the writer's `waiting` value we last rang for
 
     def try_peek(self) -> Record | None:
         """The next record, or None if the ring is empty now.
@@ -98,18 +103,18 @@ class RingReader(_RingEnd):
         ctl = self._ctl
         while True:
             if head == self._tail_seen:
-                tail = ctl[L.W_TAIL]
+                tail = ctl[_W_TAIL]
                 if head == tail:
                     # `closed` is stored after the last `tail`: load it first, then `tail`.
-                    if not ctl[L.W_TAIL + L.OFF_CLOSED] and self._broken is None:
+                    if not ctl[_W_CLOSED] and self._broken is None:
                         return None
-                    tail = ctl[L.W_TAIL]
+                    tail = ctl[_W_TAIL]
                     if head == tail:
                         self._raise_broken("writer")
                 self._tail_seen = tail
             pos = head & self._mask
             length, kind = _unpack_header(self._data, pos)
-            if kind != L.WRAP:
+            if kind != _WRAP:
                 break
             head += self.capacity - pos
             self._publish_head(head)
@@ -130,25 +135,8 @@ class RingReader(_RingEnd):
         record = self.try_peek()
         if record is not None:
             return record
-        deadline = deadline_after(timeout)
-        ctl, waiting = self._ctl, self._waiting_word
-        try:
-            while True:
-                ctl[waiting] = 1
-                self._fence()  # store waiting -> load tail (eventcount)
-                record = self.try_peek()
-                if record is not None:
-                    return record
-                self._num_sleeps += 1
-                try:
-                    self._own_bell.wait(remaining(deadline))
-                except BusyError:
-                    raise BusyError(
-                        f"no record arrived in ring {self.address.name} within {timeout} s"
-                    ) from None
-        finally:
-            if not self._closed:
-                ctl[waiting] = 0
+        busy = f"no record arrived in ring {self.address.name} within {timeout} s"
+        return self._wait_for(self.try_peek, timeout, busy, announce=True)
 
     async def peek_async(self) -> Record:
         """`peek` for trio: sleeps without a thread; cancellable."""
@@ -157,18 +145,11 @@ class RingReader(_RingEnd):
         if record is not None:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return record
-        ctl, waiting = self._ctl, self._waiting_word
-        try:
-            while True:
-                ctl[waiting] = 1
-                self._fence()
-                record = self.try_peek()
-                if record is not None:
-                    return record
-                await self._wait_own_bell_async()
-        finally:
-            if not self._closed:
-                ctl[waiting] = 0
+        return await self._wait_for_async(self.try_peek, announce=True)
+
+    def _announce_sleep(self) -> int:
+        self._sleep_epoch += 1
+        return self._sleep_epoch
 
     def release(self) -> None:
         """Free the peeked record's space; its payload view must not be used after this."""
@@ -182,8 +163,11 @@ class RingReader(_RingEnd):
         self._head = head
         ctl = self._ctl
         ctl[self._head_word] = head  # our loads of the payload are ordered before (TSO)
-        self._fence()  # store head -> load the writer's waiting (eventcount)
-        if ctl[L.W_TAIL + L.OFF_WAITING]:
+        self._lock_acquire()  # full fence: store head -> load the writer's waiting
+        self._lock_release()
+        wake_at = ctl[_W_WAITING]  # 0, or the head the writer waits for
+        if wake_at and head >= wake_at and wake_at != self._rung_at:
+            self._rung_at = wake_at  # once per sleep of the writer
             self._space_bell.ring()
             self._num_rings += 1
 

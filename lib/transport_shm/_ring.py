@@ -34,7 +34,8 @@ import contextlib
 import struct
 import threading
 import time
-from typing import Final, NamedTuple, Self
+from collections.abc import Callable
+from typing import Final, NamedTuple, Self, TypeVar
 
 import trio
 
@@ -45,6 +46,7 @@ from ._layout import RingAddress
 from ._segment import Segment
 
 RECORD_HEADER: Final = struct.Struct("<II")  # length, kind
+T = TypeVar("T")
 
 
 class RingStatistics(NamedTuple):
@@ -173,24 +175,19 @@ class _RingEnd:
         Raises:
             BusyError: some end did not attach within `timeout` seconds.
         """
-        deadline = deadline_after(timeout)
-        while not self._peers_attached():
-            self._check_usable()
-            try:
-                self._own_bell.wait(remaining(deadline))
-            except BusyError:
-                raise BusyError(
-                    f"the peers of ring {self.address.name} did not attach within {timeout} s"
-                ) from None
+        message = f"the peers of ring {self.address.name} did not attach within {timeout} s"
+        self._wait_for(self._attached_or_none, timeout, message, announce=False)
         self._segment.unlink()
 
     async def wait_attached_async(self) -> None:
         """`wait_attached` for trio; bound it with a cancel scope."""
         await trio.lowlevel.checkpoint()
-        while not self._peers_attached():
-            self._check_usable()
-            await self._wait_own_bell_async()
+        await self._wait_for_async(self._attached_or_none, announce=False)
         self._segment.unlink()
+
+    def _attached_or_none(self) -> bool | None:
+        self._check_usable()
+        return True if all(self._ctl[w + L.OFF_ATTACHED] for w in self._all_words) else None
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -198,12 +195,70 @@ class _RingEnd:
         if self._broken is not None:
             self._raise_broken("peer")
 
-    async def _wait_own_bell_async(self) -> None:
-        self._num_sleeps += 1
+    # -- the eventcount --------------------------------------------------------------------
+
+    def _announce_sleep(self) -> int:
+        """Check the peers may still wake us; return the value for our `waiting` word.
+
+        Non-zero, and different for each sleep, so a waker rings once per sleep and not once
+        per record it publishes while the sleeper is still waking up.
+        """
+        raise NotImplementedError
+
+    def _wait_for(
+        self, attempt: Callable[[], T | None], timeout: float | None, busy: str, *, announce: bool
+    ) -> T:
+        """Call `attempt` until it returns non-None, sleeping on our doorbell in between.
+
+        The eventcount: clear the doorbell, announce (store `waiting`), fence, attempt once
+        more, and only then sleep; the peer rings only for an announced sleeper.
+        """
+        deadline = deadline_after(timeout)
+        ctl, waiting, bell = self._ctl, self._own_word + L.OFF_WAITING, self._own_bell
         try:
-            await self._own_bell.wait_async()
-        except trio.ClosedResourceError:
-            self._raise_closed()
+            while True:
+                bell.clear()
+                if announce:
+                    ctl[waiting] = self._announce_sleep()
+                    self._fence()  # store waiting -> load the peer's counter
+                result = attempt()
+                if result is not None:
+                    return result
+                self._num_sleeps += 1
+                try:
+                    bell.wait(remaining(deadline))
+                except BusyError:
+                    raise BusyError(busy) from None
+                result = attempt()
+                if result is not None:
+                    return result
+        finally:
+            if announce and not self._closed:
+                ctl[waiting] = 0
+
+    async def _wait_for_async(self, attempt: Callable[[], T | None], *, announce: bool) -> T:
+        """`_wait_for` for trio: cancellation instead of a timeout."""
+        ctl, waiting, bell = self._ctl, self._own_word + L.OFF_WAITING, self._own_bell
+        try:
+            while True:
+                bell.clear()
+                if announce:
+                    ctl[waiting] = self._announce_sleep()
+                    self._fence()
+                result = attempt()
+                if result is not None:
+                    return result
+                self._num_sleeps += 1
+                try:
+                    await bell.wait_async()
+                except trio.ClosedResourceError:
+                    self._raise_closed()
+                result = attempt()
+                if result is not None:
+                    return result
+        finally:
+            if announce and not self._closed:
+                ctl[waiting] = 0
 
     # -- life ------------------------------------------------------------------------------
 

@@ -13,12 +13,14 @@ import trio
 
 from . import _layout as L
 from ._doorbell import Doorbell
-from ._errors import BusyError, RecordTooLargeError
+from ._errors import RecordTooLargeError
 from ._layout import RingAddress
-from ._ring import RECORD_HEADER, RingStatistics, _RingEnd, deadline_after, remaining
+from ._ring import RECORD_HEADER, RingStatistics, _RingEnd
 from ._segment import Segment
 
 _pack_header = RECORD_HEADER.pack_into
+_W_TAIL = L.W_TAIL
+_WRAP = L.WRAP
 
 
 class RingWriter(_RingEnd):
@@ -70,19 +72,33 @@ class RingWriter(_RingEnd):
         super().__init__(segment, address, L.W_TAIL, space_bell, data_bells, space_bell)
         self.max_record_bytes = address.capacity - L.RECORD_HEADER
         self._head_words = [L.reader_word(i) for i in range(address.num_readers)]
-        self._waiting = [
-            (w + L.OFF_WAITING, bell) for w, bell in zip(self._head_words, data_bells, strict=True)
-        ]
+        self._waiting_words = [w + L.OFF_WAITING for w in self._head_words]
+        self._single_reader = address.num_readers == 1
+        self._reader0_waiting = self._waiting_words[0]
+        self._rung_epochs = [0] * address.num_readers  # the sleep each reader was rung for
         self._tail = 0
         self._min_head = 0  # a lower bound of every reader's head, refreshed when short
         self._reserved_at = -1  # data offset of the reserved record, -1 if none
         self._reserved_bytes = 0
+        self._short_of = 0  # the end position the last failed `try_reserve` needed
 
     def _has_space(self, end: int) -> bool:
         """Whether the byte position `end` can be written (the slowest reader passed it)."""
         ctl = self._ctl
         self._min_head = min(ctl[w] for w in self._head_words)
-        return end - self._min_head <= self.capacity
+        if end - self._min_head <= self.capacity:
+            return True
+        self._short_of = end
+        return False
+
+    def _wake_me_at(self) -> int:
+        """The head every reader must reach before it rings us, stored in our `waiting`.
+
+        A quarter of the ring beyond what the record needs (hysteresis): a reader that
+        trails a faster writer rings once per quarter ring, not once per record. Capped at
+        `tail`, which readers can always reach.
+        """
+        return min(self._short_of - self.capacity + self.capacity // 4, self._tail)
 
     def try_reserve(self, nbytes: int) -> memoryview | None:
         """Reserve a payload of `nbytes` if there is room now, else return None.
@@ -129,27 +145,11 @@ class RingWriter(_RingEnd):
         view = self.try_reserve(nbytes)
         if view is not None:
             return view
-        deadline = deadline_after(timeout)
-        ctl, waiting = self._ctl, L.W_TAIL + L.OFF_WAITING
-        try:
-            while True:
-                self._check_readers()
-                ctl[waiting] = 1
-                self._fence()
-                view = self.try_reserve(nbytes)
-                if view is not None:
-                    return view
-                self._num_sleeps += 1
-                try:
-                    self._space_bell.wait(remaining(deadline))
-                except BusyError:
-                    raise BusyError(
-                        f"no room for a {nbytes}-byte record in ring {self.address.name} "
-                        f"within {timeout} s: a reader is not keeping up"
-                    ) from None
-        finally:
-            if not self._closed:
-                ctl[waiting] = 0
+        busy = (
+            f"no room for a {nbytes}-byte record in ring {self.address.name} "
+            f"within {timeout} s: a reader is not keeping up"
+        )
+        return self._wait_for(lambda: self.try_reserve(nbytes), timeout, busy, announce=True)
 
     async def reserve_async(self, nbytes: int) -> memoryview:
         """`reserve` for trio: waits without a thread; cancellable."""
@@ -158,19 +158,11 @@ class RingWriter(_RingEnd):
         if view is not None:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return view
-        ctl, waiting = self._ctl, L.W_TAIL + L.OFF_WAITING
-        try:
-            while True:
-                self._check_readers()
-                ctl[waiting] = 1
-                self._fence()
-                view = self.try_reserve(nbytes)
-                if view is not None:
-                    return view
-                await self._wait_own_bell_async()
-        finally:
-            if not self._closed:
-                ctl[waiting] = 0
+        return await self._wait_for_async(lambda: self.try_reserve(nbytes), announce=True)
+
+    def _announce_sleep(self) -> int:
+        self._check_readers()
+        return self._wake_me_at()
 
     def _check_readers(self) -> None:
         self._check_usable()
@@ -184,30 +176,41 @@ class RingWriter(_RingEnd):
         Wakes the readers that sleep; a reader that is busy costs nothing (no system call).
         """
         pos = self._reserved_at
-        if pos < 0:
+        if pos < 0 or self._closed:
+            if self._closed:
+                self._raise_closed()
             raise RuntimeError("commit() needs a reserve() first")
         if nbytes is None:
             nbytes = self._reserved_bytes
         elif not 0 <= nbytes <= self._reserved_bytes:
             raise ValueError(f"commit of {nbytes} bytes, but {self._reserved_bytes} reserved")
-        if not 0 <= kind < L.WRAP:
-            raise ValueError(f"record kind must be in 0..{L.WRAP - 1}, got {kind}")
-        if self._closed:
-            self._raise_closed()
+        if not 0 <= kind < _WRAP:
+            raise ValueError(f"record kind must be in 0..{_WRAP - 1}, got {kind}")
         _pack_header(self._data, pos, nbytes, kind)
         self._reserved_at = -1
-        self._publish_tail(self._tail + ((nbytes + 15) & ~7))
         self._num_records += 1
+        self._publish_tail(self._tail + ((nbytes + 15) & ~7))
 
     def _publish_tail(self, tail: int) -> None:
         self._tail = tail
         ctl = self._ctl
-        ctl[L.W_TAIL] = tail  # the payload stores are ordered before it (TSO)
-        self._fence()  # store tail -> load waiting (eventcount)
-        for word, bell in self._waiting:
-            if ctl[word]:
-                bell.ring()
-                self._num_rings += 1
+        ctl[_W_TAIL] = tail  # the payload stores are ordered before it (TSO)
+        self._lock_acquire()  # full fence: store tail -> load waiting (eventcount)
+        self._lock_release()
+        if self._single_reader:
+            epoch = ctl[self._reader0_waiting]
+            if epoch and epoch != self._rung_epochs[0]:  # once per sleep, not per record
+                self._ring_reader(0, epoch)
+            return
+        for i, word in enumerate(self._waiting_words):
+            epoch = ctl[word]
+            if epoch and epoch != self._rung_epochs[i]:
+                self._ring_reader(i, epoch)
+
+    def _ring_reader(self, index: int, epoch: int) -> None:
+        self._rung_epochs[index] = epoch
+        self._data_bells[index].ring()
+        self._num_rings += 1
 
     def send(self, kind: int, data: bytes | memoryview, timeout: float | None = None) -> None:
         """Copy `data` into one record (for rare messages; the hot path uses `reserve`)."""

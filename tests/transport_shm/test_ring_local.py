@@ -286,3 +286,35 @@ async def test_trio_writer_waits_for_room(ring: tuple[RingWriter, RingReader]) -
             await trio.testing.wait_all_tasks_blocked()
             assert await reader.receive_async() == (0, b"x" * 1016)
         assert await reader.receive_async() == (1, b"y" * 1016)
+
+
+def test_a_busy_reader_costs_the_writer_no_doorbell(ring: tuple[RingWriter, RingReader]) -> None:
+    writer, reader = ring
+    for round_ in range(50):
+        for i in range(7):
+            writer.send(i, bytes([round_]) * 100, timeout=0)
+        for i in range(7):
+            assert reader.receive(timeout=0) == (i, bytes([round_]) * 100)
+    assert writer.statistics().doorbell_rings == 0
+    assert reader.statistics().doorbell_rings == 0
+
+
+def test_doorbells_ring_at_most_once_per_sleep() -> None:
+    with RingWriter.create(4096) as writer, RingReader.attach(writer.address.dup()) as reader:
+        received: list[int] = []
+
+        def consume() -> None:
+            for _ in range(2000):
+                kind, _ = reader.peek(timeout=10)
+                received.append(kind)
+                reader.release()
+
+        thread = threading.Thread(target=consume)
+        thread.start()
+        for i in range(2000):  # the writer outruns the reader and fills the ring, and back
+            writer.send(i % 7, b"z" * (i % 300), timeout=10)
+        thread.join(10)
+        assert received == [i % 7 for i in range(2000)]
+        w, r = writer.statistics(), reader.statistics()
+        assert w.doorbell_rings <= r.sleeps
+        assert r.doorbell_rings <= w.sleeps
