@@ -136,7 +136,7 @@ class RingReader(_RingEnd):
         if record is not None:
             return record
         busy = f"no record arrived in ring {self.address.name} within {timeout} s"
-        return self._wait_for(self.try_peek, timeout, busy, announce=True)
+        return self._wait_for(self.try_peek, timeout, busy, announce=self._announce_sleep)
 
     async def peek_async(self) -> Record:
         """`peek` for trio: sleeps without a thread; cancellable."""
@@ -145,7 +145,7 @@ class RingReader(_RingEnd):
         if record is not None:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return record
-        return await self._wait_for_async(self.try_peek, announce=True)
+        return await self._wait_for_async(self.try_peek, announce=self._announce_sleep)
 
     def _announce_sleep(self) -> int:
         self._sleep_epoch += 1

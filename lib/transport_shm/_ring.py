@@ -176,13 +176,13 @@ class _RingEnd:
             BusyError: some end did not attach within `timeout` seconds.
         """
         message = f"the peers of ring {self.address.name} did not attach within {timeout} s"
-        self._wait_for(self._attached_or_none, timeout, message, announce=False)
+        self._wait_for(self._attached_or_none, timeout, message, announce=None)
         self._segment.unlink()
 
     async def wait_attached_async(self) -> None:
         """`wait_attached` for trio; bound it with a cancel scope."""
         await trio.lowlevel.checkpoint()
-        await self._wait_for_async(self._attached_or_none, announce=False)
+        await self._wait_for_async(self._attached_or_none, announce=None)
         self._segment.unlink()
 
     def _attached_or_none(self) -> bool | None:
@@ -197,68 +197,65 @@ class _RingEnd:
 
     # -- the eventcount --------------------------------------------------------------------
 
-    def _announce_sleep(self) -> int:
-        """Check the peers may still wake us; return the value for our `waiting` word.
-
-        Non-zero, and different for each sleep, so a waker rings once per sleep and not once
-        per record it publishes while the sleeper is still waking up.
-        """
-        raise NotImplementedError
-
     def _wait_for(
-        self, attempt: Callable[[], T | None], timeout: float | None, busy: str, *, announce: bool
+        self,
+        attempt: Callable[[], T | None],
+        timeout: float | None,
+        busy: str,
+        *,
+        announce: Callable[[], int] | None,
     ) -> T:
         """Call `attempt` until it returns non-None, sleeping on our doorbell in between.
 
-        The eventcount: clear the doorbell, announce (store `waiting`), fence, attempt once
-        more, and only then sleep; the peer rings only for an announced sleeper.
+        The eventcount: clear the doorbell, announce (store what `announce` returns in our
+        `waiting` word), fence, attempt once more, and only then sleep; the peer rings only
+        for an announced sleeper. `announce` may raise if no peer could ever wake us; its
+        value is non-zero and new for each sleep, so a waker rings once per sleep, not once
+        per record it publishes while we are still waking up.
         """
         deadline = deadline_after(timeout)
-        ctl, waiting, bell = self._ctl, self._own_word + L.OFF_WAITING, self._own_bell
         try:
-            while True:
-                bell.clear()
-                if announce:
-                    ctl[waiting] = self._announce_sleep()
-                    self._fence()  # store waiting -> load the peer's counter
-                result = attempt()
-                if result is not None:
-                    return result
+            while (result := self._announce_then(attempt, announce)) is None:
                 self._num_sleeps += 1
                 try:
-                    bell.wait(remaining(deadline))
+                    self._own_bell.wait(remaining(deadline))
                 except BusyError:
                     raise BusyError(busy) from None
-                result = attempt()
-                if result is not None:
-                    return result
+                if (result := attempt()) is not None:
+                    break
+            return result
         finally:
-            if announce and not self._closed:
-                ctl[waiting] = 0
+            self._stop_announcing(announce)
 
-    async def _wait_for_async(self, attempt: Callable[[], T | None], *, announce: bool) -> T:
+    async def _wait_for_async(
+        self, attempt: Callable[[], T | None], *, announce: Callable[[], int] | None
+    ) -> T:
         """`_wait_for` for trio: cancellation instead of a timeout."""
-        ctl, waiting, bell = self._ctl, self._own_word + L.OFF_WAITING, self._own_bell
         try:
-            while True:
-                bell.clear()
-                if announce:
-                    ctl[waiting] = self._announce_sleep()
-                    self._fence()
-                result = attempt()
-                if result is not None:
-                    return result
+            while (result := self._announce_then(attempt, announce)) is None:
                 self._num_sleeps += 1
                 try:
-                    await bell.wait_async()
+                    await self._own_bell.wait_async()
                 except trio.ClosedResourceError:
                     self._raise_closed()
-                result = attempt()
-                if result is not None:
-                    return result
+                if (result := attempt()) is not None:
+                    break
+            return result
         finally:
-            if announce and not self._closed:
-                ctl[waiting] = 0
+            self._stop_announcing(announce)
+
+    def _announce_then(
+        self, attempt: Callable[[], T | None], announce: Callable[[], int] | None
+    ) -> T | None:
+        self._own_bell.clear()
+        if announce is not None:
+            self._ctl[self._own_word + L.OFF_WAITING] = announce()
+            self._fence()  # store waiting -> load the peer's counter
+        return attempt()
+
+    def _stop_announcing(self, announce: Callable[[], int] | None) -> None:
+        if announce is not None and not self._closed:
+            self._ctl[self._own_word + L.OFF_WAITING] = 0
 
     # -- life ------------------------------------------------------------------------------
 

@@ -149,7 +149,9 @@ class RingWriter(_RingEnd):
             f"no room for a {nbytes}-byte record in ring {self.address.name} "
             f"within {timeout} s: a reader is not keeping up"
         )
-        return self._wait_for(lambda: self.try_reserve(nbytes), timeout, busy, announce=True)
+        return self._wait_for(
+            lambda: self.try_reserve(nbytes), timeout, busy, announce=self._announce_sleep
+        )
 
     async def reserve_async(self, nbytes: int) -> memoryview:
         """`reserve` for trio: waits without a thread; cancellable."""
@@ -158,7 +160,9 @@ class RingWriter(_RingEnd):
         if view is not None:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return view
-        return await self._wait_for_async(lambda: self.try_reserve(nbytes), announce=True)
+        return await self._wait_for_async(
+            lambda: self.try_reserve(nbytes), announce=self._announce_sleep
+        )
 
     def _announce_sleep(self) -> int:
         self._check_readers()

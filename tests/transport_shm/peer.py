@@ -28,16 +28,18 @@ def say(**fields: object) -> None:
 
 def echo(addr_in: str, addr_out: str) -> None:
     """Copy every record of ring IN to ring OUT until IN's writer closes."""
-    with RingReader.attach(RingAddress.decode(addr_in)) as reader:
-        with RingWriter.attach(RingAddress.decode(addr_out)) as writer:
-            while True:
-                try:
-                    kind, payload = reader.peek(timeout=60)
-                except trio.BrokenResourceError:
-                    return
-                writer.reserve(len(payload), timeout=60)[:] = payload
-                writer.commit(kind)
-                reader.release()
+    with (
+        RingReader.attach(RingAddress.decode(addr_in)) as reader,
+        RingWriter.attach(RingAddress.decode(addr_out)) as writer,
+    ):
+        while True:
+            try:
+                kind, payload = reader.peek(timeout=60)
+            except trio.BrokenResourceError:
+                return
+            writer.reserve(len(payload), timeout=60)[:] = payload
+            writer.commit(kind)
+            reader.release()
 
 
 def broadcast_reader(addr: str, index: str, slow: str) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 
 PEER = os.path.join(os.path.dirname(__file__), "peer.py")
 

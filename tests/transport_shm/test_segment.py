@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -96,10 +97,8 @@ def test_sweep_keeps_segments_of_live_processes(shm_names: Callable[[], set[str]
         assert live.lstrip("/") in shm_names()
     finally:
         for name in (stale, live):
-            try:
+            with contextlib.suppress(posix_ipc.ExistentialError):
                 posix_ipc.unlink_shared_memory(name)
-            except posix_ipc.ExistentialError:
-                pass
 
 
 def test_too_large_segment_fails_at_creation_naming_size_and_free_space(
