@@ -172,18 +172,16 @@ def engine_main(address: str, endpoint: str, floor_fd: str) -> None:
             break
         if cmd["op"] == "cpu":  # this process's CPU time, all threads (zmq's I/O thread too)
             reply: dict[str, Any] = {"cpu_ns": time.process_time_ns()}
-        elif cmd["op"] == "wake_floor":  # the same, on a bare eventfd: trio's own floor
-            for _ in range(cmd["count"]):
-                time.sleep(cmd["gap"])
-                os.eventfd_write(int(floor_fd), time.perf_counter_ns())
-            reply = {}
-        elif cmd["op"] == "wake":  # one timestamped record every `gap` seconds
-            writer = engines["shm_columnar"]
-            assert isinstance(writer, ShmEngine)
+        elif cmd["op"] == "wake":  # every `gap` s: a ring record, then a bare eventfd write
+            ring = engines["shm_columnar"]
+            assert isinstance(ring, ShmEngine)
+            rings_before = ring.writer.statistics().doorbell_rings
             for i in range(cmd["count"]):
                 time.sleep(cmd["gap"])
-                writer.writer.send(2, struct.pack("<QQ", i, time.perf_counter_ns()))
-            reply = {"rings": writer.writer.statistics().doorbell_rings}
+                ring.writer.send(2, struct.pack("<QQ", i, time.perf_counter_ns()))
+                time.sleep(cmd["gap"])
+                os.eventfd_write(int(floor_fd), time.perf_counter_ns())
+            reply = {"rings": ring.writer.statistics().doorbell_rings - rings_before}
         elif cmd["op"] == "stream":  # free-running, back-to-back steps
             engine = engines["shm_columnar"]
             engine.prepare(cmd["batch"])
@@ -358,24 +356,24 @@ class Bench:
         }
 
     async def wake_latency(self, count: int, gap: float) -> dict[str, Any]:
-        """An idle trio reader: median microseconds from a write to `peek_async` returning."""
+        """An idle trio reader: median microseconds from a write to `peek_async` returning.
+
+        Interleaved with the same wake-up through a bare eventfd and
+        `trio.lowlevel.wait_readable`: the floor that trio and this machine set.
+        """
         before = self.reader.statistics()
         self.command(op="wake", count=count, gap=gap)
-        latencies = []
-        for _ in range(count):
+        latencies, floor = [], []
+        for _ in range(count):  # interleaved, so both see the same machine
             _, payload = await self.reader.peek_async()
             woke = time.perf_counter_ns()
             _, stamp = struct.unpack_from("<QQ", payload)
             latencies.append((woke - stamp) / 1e3)
             self.reader.release()
-        reply = self.reply()
-        self.command(op="wake_floor", count=count, gap=gap)
-        floor = []
-        for _ in range(count):
             await trio.lowlevel.wait_readable(self.floor_fd)
             woke = time.perf_counter_ns()
             floor.append((woke - os.eventfd_read(self.floor_fd)) / 1e3)
-        self.reply()
+        reply = self.reply()
         return {
             "median_us": round(statistics.median(latencies), 1),
             "floor_median_us": round(statistics.median(floor), 1),

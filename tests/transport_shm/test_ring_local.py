@@ -19,6 +19,14 @@ from trillm.transport_shm import (
 )
 
 
+def wait_until_asleep(end: RingWriter | RingReader) -> None:
+    """Wait until another thread announced that it sleeps on `end` (then counts the sleep)."""
+    deadline = time.monotonic() + 10
+    while end.statistics().sleeps == 0:
+        assert time.monotonic() < deadline, "the other thread never waited"
+        time.sleep(0.001)
+
+
 @pytest.fixture
 def ring() -> tuple[RingWriter, RingReader]:
     writer = RingWriter.create(1024)
@@ -95,7 +103,7 @@ def test_a_sleeping_reader_wakes_to_skip_a_wrap_marker() -> None:
         got: list[tuple[int, bytes]] = []
         thread = threading.Thread(target=lambda: got.append(reader.receive(timeout=10)))
         thread.start()
-        time.sleep(0.05)  # the reader sleeps on an empty ring
+        wait_until_asleep(reader)  # on an empty ring
         writer.send(2, b"b" * 248, timeout=10)  # needs the reader to skip the marker
         thread.join(10)
         assert got == [(2, b"b" * 248)]
@@ -145,7 +153,7 @@ def test_blocking_reader_wakes_on_write(ring: tuple[RingWriter, RingReader]) -> 
     got: list[tuple[int, bytes]] = []
     thread = threading.Thread(target=lambda: got.append(reader.receive(timeout=10)))
     thread.start()
-    time.sleep(0.05)
+    wait_until_asleep(reader)
     writer.send(5, b"hello", timeout=0)
     thread.join(10)
     assert got == [(5, b"hello")]
@@ -160,7 +168,7 @@ def test_blocking_writer_wakes_when_the_reader_makes_room(
     writer.send(0, b"x" * 1016, timeout=0)
     thread = threading.Thread(target=lambda: writer.send(1, b"y" * 1016, timeout=10))
     thread.start()
-    time.sleep(0.05)
+    wait_until_asleep(writer)
     assert reader.receive(timeout=0) == (0, b"x" * 1016)
     thread.join(10)
     assert reader.receive(timeout=5) == (1, b"y" * 1016)
@@ -188,7 +196,7 @@ def test_reader_close_breaks_a_waiting_writer(ring: tuple[RingWriter, RingReader
 
     thread = threading.Thread(target=blocked_send)
     thread.start()
-    time.sleep(0.05)
+    wait_until_asleep(writer)
     reader.close()
     thread.join(10)
     assert len(errors) == 1
