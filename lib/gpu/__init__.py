@@ -1,5 +1,23 @@
 """Device side: model runner, worker, paged attention, sampler, weight loaders.
 
-Knows no scheduling policy and nothing of the engine or HTTP (DESIGN.md §1, §7). Filled in by
-the model-runner issue.
+Knows no scheduling policy and nothing of the engine or HTTP (DESIGN.md §1, §7): it runs the
+`StepBatch` the scheduler decided and returns a columnar `RunnerOutput`.
 """
+
+from ._config import WorkerConfig as WorkerConfig
+from ._config import WorkerConfigError as WorkerConfigError
+from ._model_config import ModelConfig as ModelConfig
+from ._model_config import ModelConfigError as ModelConfigError
+from ._model_runner import ModelRunner as ModelRunner
+from ._parallel import TensorParallel as TensorParallel
+from ._parallel import TensorParallelError as TensorParallelError
+from ._sampling_options import SamplingOptions as SamplingOptions
+from ._step_batch import NewRequest as NewRequest
+from ._step_batch import PromptLogprobs as PromptLogprobs
+from ._step_batch import RunnerOutput as RunnerOutput
+from ._step_batch import StepBatch as StepBatch
+from ._step_batch import StepBatchCodec as StepBatchCodec
+from ._weights import WeightsError as WeightsError
+from ._weights import open_model as open_model
+from ._worker import KVCacheTooSmallError as KVCacheTooSmallError
+from ._worker import Worker as Worker

@@ -1,0 +1,66 @@
+"""The device side's configuration: one frozen record, parsed at the edge and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+class WorkerConfigError(ValueError):
+    """A worker setting is out of range; the message names the setting and the limit."""
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What a worker needs to load a model and size its KV cache.
+
+    `dtype="auto"` is float32 on CPU (a bfloat16 matmul without AVX-512/AMX ran 3-30x slower
+    than float32 on our machines) and bfloat16 on CUDA.
+    """
+
+    model: str  # a Hugging Face model directory or a GGUF file
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    kv_cache_bytes: int = 1 << 30  # the KV budget on CPU, where free memory is not measurable
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise WorkerConfigError(
+                f"load_format {self.load_format!r} is not one of {', '.join(LOAD_FORMATS)}"
+            )
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise WorkerConfigError(
+                f"dtype {self.dtype!r} is not auto or one of {', '.join(DTYPES)}"
+            )
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise WorkerConfigError(
+                f"block_size must be 8, 16, 32, 64 or 128, got {self.block_size}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise WorkerConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
+            if getattr(self, name) <= 0:
+                raise WorkerConfigError(f"{name} must be positive, got {getattr(self, name)}")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]

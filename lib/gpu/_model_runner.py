@@ -1,0 +1,269 @@
+"""The model runner: turns a `StepBatch` into one forward pass and sampled tokens.
+
+Per step: forget finished requests, add new ones, append new blocks, flatten the scheduled
+tokens (`InputBatch.prepare`, vectorised), build the attention metadata once, run the model
+over the mixed batch, compute logits only for the rows that reach their sequence's end (and
+for prompt positions of `echo` requests), sample, and append the sampled tokens to the
+persistent rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ._attention import AttentionMetadata, PrefillSpan
+from ._config import WorkerConfig
+from ._input_batch import InputBatch, StepInputs
+from ._model_config import ModelConfig
+from ._parallel import TensorParallel
+from ._sampler import Sampler, SamplerOutput, compute_logprobs
+from ._sampling_batch import RequestSamplingState, SamplingBatch
+from ._step_batch import NewRequest, PromptLogprobs, RunnerOutput, StepBatch
+from ._weights import Weights
+from .models.llama import KVCache, LlamaForCausalLM
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors and the per-request device-side state."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        model_config: ModelConfig,
+        tp: TensorParallel,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.tp = tp
+        self.device = device
+        self.dtype = config.torch_dtype(device)
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        self.inputs = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size)
+        self.sampling: dict[int, RequestSamplingState] = {}
+        self.sampler = Sampler()
+        self.kv_caches: list[KVCache] = []
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._block_numel = 0
+        self.model: LlamaForCausalLM | None = None
+        eos = model_config.eos_token_ids
+        self.eos_token_id = eos[0] if eos else None
+
+    # -- start-up ---------------------------------------------------------------------------
+
+    def load_model(self, weights: Weights | None) -> None:
+        """Build the model on the device and load `weights` (None: random, for benchmarks)."""
+        torch.manual_seed(self.config.seed)
+        with torch.device(self.device):
+            model = LlamaForCausalLM(self.model_config, self.tp, self.dtype)
+        if weights is None:
+            for param in model.parameters():
+                param.data.normal_(0.0, 0.02)
+        else:
+            model.load_weights(weights)
+        self.model = model.eval()
+
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one KV block takes on this rank, over every layer (K and V)."""
+        cfg = self.model_config
+        heads = self.tp.split(cfg.num_kv_heads, "num_key_value_heads")
+        element = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * cfg.num_layers * self.block_size * heads * cfg.head_dim * element
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate `num_blocks` blocks of K and V per layer."""
+        cfg = self.model_config
+        heads = self.tp.split(cfg.num_kv_heads, "num_key_value_heads")
+        shape = (num_blocks, self.block_size, heads, cfg.head_dim)
+        self._block_numel = self.block_size * heads * cfg.head_dim
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+
+    def profile_run(self) -> None:
+        """One forward of a full token budget, so peak activation memory can be measured.
+
+        Uses a throw-away KV cache just large enough, and leaves no request behind.
+        """
+        total = self.config.max_num_batched_tokens
+        seq_len = min(total, self.max_model_len - 1)  # room for the sampled token
+        num_seqs = min(self.config.max_num_seqs, -(-total // seq_len))
+        blocks_per_seq = -(-seq_len // self.block_size)
+        saved, self.kv_caches = self.kv_caches, []
+        self.init_kv_cache(num_seqs * blocks_per_seq)
+        requests = [
+            NewRequest(
+                rnum=2**63 + i,
+                prompt_token_ids=[0] * seq_len,
+                block_ids=list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
+                num_computed_tokens=0,
+            )
+            for i in range(num_seqs)
+        ]
+        rnums = np.array([r.rnum for r in requests], np.uint64)
+        batch = StepBatch(
+            0,
+            new_requests=requests,
+            scheduled_rnums=rnums,
+            num_scheduled_tokens=np.full(num_seqs, seq_len, np.int32),
+        )
+        try:
+            self.execute(batch)
+        finally:
+            for rnum in rnums.tolist():
+                self.inputs.remove(rnum)
+                self.sampling.pop(rnum, None)
+            self.kv_caches = saved
+
+    # -- one step ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> RunnerOutput:
+        """Run one step; every rank runs it, rank 0's output is the one the engine reads."""
+        if self.model is None or not self.kv_caches:
+            raise RuntimeError("execute() before load_model() and init_kv_cache()")
+        self._update_requests(batch)
+        if not len(batch.scheduled_rnums):
+            return RunnerOutput(np.zeros(0, np.uint64), np.zeros(0, np.int32))
+        inputs = self.inputs.prepare(batch.scheduled_rnums, batch.num_scheduled_tokens)
+        meta = self._attention_metadata(inputs)
+        hidden = self.model(
+            self._tensor(inputs.input_ids), self._tensor(inputs.positions), self.kv_caches, meta
+        )
+        prompt_logprobs = self._prompt_logprobs(batch, inputs, hidden)
+        self.inputs.advance(inputs)
+        sampling = np.flatnonzero(inputs.samples)
+        rnums = batch.scheduled_rnums[sampling]
+        if not len(sampling):
+            return RunnerOutput(rnums, np.zeros(0, np.int32), prompt_logprobs=prompt_logprobs)
+        last = inputs.token_starts[sampling] + inputs.counts[sampling] - 1
+        logits = self.model.compute_logits(hidden[self._tensor(last)])
+        states = [self.sampling[int(r)] for r in rnums]
+        sampled = self.sampler(logits, self._sampling_batch(states))
+        return self._finish(inputs, sampling, rnums, states, sampled, prompt_logprobs)
+
+    def _update_requests(self, batch: StepBatch) -> None:
+        for rnum in batch.finished_rnums.tolist():
+            self.inputs.remove(rnum)
+            self.sampling.pop(rnum, None)
+        for request in batch.new_requests:
+            self.inputs.add(request)
+            state = RequestSamplingState(
+                request.options, np.asarray(request.prompt_token_ids, np.int32), self.device
+            )
+            state.output_token_ids.extend(request.output_token_ids)
+            self.sampling[request.rnum] = state
+        row_of = self.inputs.row_of
+        for rnum, blocks, computed in zip(
+            batch.cached_rnums.tolist(),
+            batch.cached_new_block_ids,
+            batch.cached_num_computed.tolist(),
+            strict=True,
+        ):
+            row = row_of[rnum]
+            if blocks:
+                self.inputs.append_blocks(row, blocks)
+            self.inputs.num_computed[row] = computed
+
+    def _sampling_batch(self, states: list[RequestSamplingState]) -> SamplingBatch:
+        return SamplingBatch.build(
+            states,
+            eos_token_id=self.eos_token_id,
+            vocab_size=self.model_config.vocab_size,
+            device=self.device,
+        )
+
+    def _finish(
+        self,
+        inputs: StepInputs,
+        sampling: np.ndarray,
+        rnums: np.ndarray,
+        states: list[RequestSamplingState],
+        sampled: SamplerOutput,
+        prompt_logprobs: dict[int, PromptLogprobs],
+    ) -> RunnerOutput:
+        token_ids = sampled.token_ids.to("cpu", torch.int32).numpy()
+        self.inputs.append_tokens(inputs.rows[sampling], token_ids)
+        for state, token in zip(states, token_ids.tolist(), strict=True):
+            state.output_token_ids.append(token)
+        return RunnerOutput(
+            rnums,
+            token_ids,
+            logprobs=_numpy(sampled.logprobs),
+            topk_ids=_numpy(sampled.topk_ids),
+            topk_logprobs=_numpy(sampled.topk_logprobs),
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
+        is_decode = (inputs.counts == 1) & (inputs.context_lens > 1)
+        decodes = np.flatnonzero(is_decode)
+        decode_idx = tables = mask = workspace = None
+        if len(decodes):
+            rows = inputs.rows[decodes]
+            lens = inputs.context_lens[decodes]
+            max_blocks = int(-(-lens.max() // self.block_size))
+            tables = self._tensor(self.inputs.block_table[rows, :max_blocks].astype(np.int64))
+            key_pos = torch.arange(max_blocks * self.block_size, device=self.device)
+            mask = (key_pos[None, :] < self._tensor(lens)[:, None]).view(len(rows), 1, 1, -1)
+            decode_idx = self._tensor(inputs.token_starts[decodes])
+            workspace = self._gather_workspace(len(rows) * max_blocks)
+        prefills = []
+        for i in np.flatnonzero(~is_decode).tolist():
+            count, context = int(inputs.counts[i]), int(inputs.context_lens[i])
+            block_ids = None
+            if context > count:
+                n = -(-context // self.block_size)
+                block_ids = self._tensor(
+                    self.inputs.block_table[inputs.rows[i], :n].astype(np.int64)
+                )
+            prefills.append(PrefillSpan(int(inputs.token_starts[i]), count, context, block_ids))
+        return AttentionMetadata(
+            self._tensor(inputs.slots), decode_idx, tables, mask, tuple(prefills), workspace
+        )
+
+    def _gather_workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V buffers for `num_blocks` gathered blocks, reused across layers and steps."""
+        if self._workspace is None or self._workspace[0].numel() < num_blocks * self._block_numel:
+            size = max(num_blocks, 2 * (0 if self._workspace is None else len(self._workspace[0])))
+            self._workspace = (
+                torch.empty(size * self._block_numel, dtype=self.dtype, device=self.device),
+                torch.empty(size * self._block_numel, dtype=self.dtype, device=self.device),
+            )
+        return self._workspace
+
+    def _prompt_logprobs(
+        self, batch: StepBatch, inputs: StepInputs, hidden: torch.Tensor
+    ) -> dict[int, PromptLogprobs]:
+        """Logprobs of the prompt tokens this step covers, for requests that asked (echo)."""
+        result: dict[int, PromptLogprobs] = {}
+        for i, rnum in enumerate(batch.scheduled_rnums.tolist()):
+            k = self.sampling[rnum].options.prompt_logprobs
+            row = int(inputs.rows[i])
+            prompt_len = int(self.inputs.num_prompt_tokens[row])
+            start = int(inputs.context_lens[i] - inputs.counts[i])
+            if k is None or start >= prompt_len - 1:
+                continue
+            end = min(int(inputs.context_lens[i]), prompt_len - 1)  # positions that score p+1
+            first = int(inputs.token_starts[i])
+            assert self.model is not None
+            logits = self.model.compute_logits(hidden[first : first + end - start])
+            targets = self._tensor(self.inputs.token_ids[row, start + 1 : end + 1].astype(np.int64))
+            logprobs, topk_ids, topk_logprobs = compute_logprobs(logits, targets, k)
+            result[rnum] = PromptLogprobs(
+                start + 1, logprobs.cpu().numpy(), _numpy(topk_ids), _numpy(topk_logprobs)
+            )
+        return result
+
+
+def _numpy(tensor: torch.Tensor | None) -> np.ndarray | None:
+    return None if tensor is None else tensor.cpu().numpy()

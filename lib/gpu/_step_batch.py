@@ -1,0 +1,113 @@
+"""The device contract: what the scheduler decided for one step, and what the runner returns.
+
+`StepBatch` is DESIGN.md's SchedulerOutput: new requests (prompt tokens, blocks, sampling
+options), running requests (new block ids, computed counts), the tokens scheduled per request
+this step, and the requests that finished. `RunnerOutput` is columnar: one row per request
+that produced a token. Both have a msgpack codec with raw little-endian arrays, built once
+(`StepBatchCodec`), for the executor -> worker broadcast ring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from ._sampling_options import SamplingOptions
+
+
+class NewRequest(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """A request the runner has not seen (or sees again after preemption)."""
+
+    rnum: int
+    prompt_token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens whose KV is already in the blocks (prefix-cache hits)
+    options: SamplingOptions = SamplingOptions()
+    output_token_ids: list[int] = []  # tokens generated before a preemption
+
+
+@dataclass
+class StepBatch:
+    """One engine step's schedule. Arrays are numpy; lists hold rare per-request data."""
+
+    step: int
+    new_requests: list[NewRequest] = field(default_factory=list)
+    cached_rnums: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+    cached_new_block_ids: list[list[int]] = field(default_factory=list)
+    cached_num_computed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    scheduled_rnums: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+    num_scheduled_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    finished_rnums: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return int(self.num_scheduled_tokens.sum())
+
+
+@dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens 1..n-1 given their prefix, for `echo` (one chunk's worth)."""
+
+    first_position: int  # prompt position of the first token these rows score
+    logprobs: np.ndarray  # [n] float32
+    topk_ids: np.ndarray | None  # [n, k] int32
+    topk_logprobs: np.ndarray | None  # [n, k] float32
+
+
+@dataclass
+class RunnerOutput:
+    """Sampled tokens of one step, one row per request that produced a token."""
+
+    rnums: np.ndarray  # [n] uint64
+    token_ids: np.ndarray  # [n] int32
+    logprobs: np.ndarray | None = None  # [n] float32, the sampled token's
+    topk_ids: np.ndarray | None = None  # [n, k] int32
+    topk_logprobs: np.ndarray | None = None  # [n, k] float32
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
+
+
+class _WireStep(msgspec.Struct, array_like=True, gc=False):
+    step: int
+    new_requests: list[NewRequest]
+    cached_rnums: bytes
+    cached_new_block_ids: list[list[int]]
+    cached_num_computed: bytes
+    scheduled_rnums: bytes
+    num_scheduled_tokens: bytes
+    finished_rnums: bytes
+
+
+class StepBatchCodec:
+    """Encodes a `StepBatch` into msgpack with raw arrays; decoder and encoder made once."""
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(_WireStep)
+
+    def encode_into(self, batch: StepBatch, buffer: bytearray) -> None:
+        wire = _WireStep(
+            batch.step,
+            batch.new_requests,
+            batch.cached_rnums.astype("<u8", copy=False).tobytes(),
+            batch.cached_new_block_ids,
+            batch.cached_num_computed.astype("<i4", copy=False).tobytes(),
+            batch.scheduled_rnums.astype("<u8", copy=False).tobytes(),
+            batch.num_scheduled_tokens.astype("<i4", copy=False).tobytes(),
+            batch.finished_rnums.astype("<u8", copy=False).tobytes(),
+        )
+        self._encoder.encode_into(wire, buffer)
+
+    def decode(self, data: bytes | memoryview) -> StepBatch:
+        wire = self._decoder.decode(data)
+        return StepBatch(
+            wire.step,
+            wire.new_requests,
+            np.frombuffer(wire.cached_rnums, "<u8"),
+            wire.cached_new_block_ids,
+            np.frombuffer(wire.cached_num_computed, "<i4"),
+            np.frombuffer(wire.scheduled_rnums, "<u8"),
+            np.frombuffer(wire.num_scheduled_tokens, "<i4"),
+            np.frombuffer(wire.finished_rnums, "<u8"),
+        )

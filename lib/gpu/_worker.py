@@ -1,0 +1,117 @@
+"""A worker: one tensor-parallel rank's device, process group, model runner and KV cache.
+
+Start-up order (DESIGN.md §7): device and ``torch.distributed`` first, then a memory snapshot,
+then the model, so whatever the collectives allocate is already counted when the KV cache is
+sized. The executor calls, in order: `init_device`, `load_model`, `num_available_kv_blocks`
+(the minimum over ranks is used), `init_kv_cache`, then `execute` once per step.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from ._config import WorkerConfig
+from ._model_runner import ModelRunner
+from ._parallel import TensorParallel
+from ._step_batch import RunnerOutput, StepBatch
+from ._weights import open_model
+
+
+class KVCacheTooSmallError(RuntimeError):
+    """Not even one KV block fits in the memory budget."""
+
+
+class Worker:
+    """Tensor-parallel rank `rank` of `world_size`."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        dist_init_method: str | None = None,
+    ) -> None:
+        if world_size > 1 and dist_init_method is None:
+            raise ValueError("tensor parallelism needs dist_init_method (e.g. tcp://host:port)")
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.dist_init_method = dist_init_method
+        self.device = torch.device("cpu")
+        self.tp = TensorParallel()
+        self.free_memory_at_start = 0
+        self._runner: ModelRunner | None = None
+
+    @property
+    def runner(self) -> ModelRunner:
+        if self._runner is None:
+            raise RuntimeError("the worker has no model yet: call load_model() first")
+        return self._runner
+
+    def init_device(self) -> None:
+        """Pick the device, join the process group (gloo on CPU, NCCL on CUDA), snapshot memory."""
+        device = self.config.torch_device()
+        if device.type == "cuda":
+            device = torch.device("cuda", (device.index or 0) + self.rank)
+            torch.cuda.set_device(device)
+        self.device = device
+        if self.world_size > 1:
+            dist.init_process_group(
+                backend="nccl" if device.type == "cuda" else "gloo",
+                init_method=self.dist_init_method,
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=datetime.timedelta(seconds=120),
+            )
+            self.tp = TensorParallel(self.rank, self.world_size)
+            self.tp.all_reduce(torch.zeros(1, device=device))  # collectives allocate now
+        if device.type == "cuda":
+            self.free_memory_at_start = torch.cuda.mem_get_info(device)[0]
+
+    def load_model(self) -> None:
+        """Read the model's config, build it on the device, load this rank's weight shards."""
+        model_config, weights = open_model(self.config.model, self.config.load_format)
+        runner = ModelRunner(self.config, model_config, self.tp, self.device)
+        runner.load_model(weights)
+        self._runner = runner
+
+    def num_available_kv_blocks(self) -> int:
+        """How many KV blocks fit: the CPU byte budget, or on CUDA what is free after a
+        profile forward of `max_num_batched_tokens` tokens, times `gpu_memory_utilization`.
+
+        Raises:
+            KVCacheTooSmallError: not one block fits; the message says what to change.
+        """
+        per_block = self.runner.kv_bytes_per_block()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.runner.profile_run()
+            total = torch.cuda.mem_get_info(self.device)[1]
+            used_outside = total - self.free_memory_at_start  # other processes, before us
+            budget = int(total * self.config.gpu_memory_utilization) - used_outside
+            budget -= torch.cuda.max_memory_allocated(self.device)
+        else:
+            budget = self.config.kv_cache_bytes
+        blocks = budget // per_block
+        if blocks < 1:
+            raise KVCacheTooSmallError(
+                f"the KV cache does not fit: one block of {self.config.block_size} tokens needs "
+                f"{per_block} bytes on rank {self.rank} and the budget is {budget} bytes; raise "
+                f"kv_cache_bytes (CPU) or gpu_memory_utilization (CUDA), or use a smaller model"
+            )
+        return int(blocks)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.runner.init_kv_cache(num_blocks)
+
+    def execute(self, batch: StepBatch) -> RunnerOutput:
+        return self.runner.execute(batch)
+
+    def shutdown(self) -> None:
+        """Leave the process group (idempotent)."""
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()

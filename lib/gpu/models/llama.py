@@ -1,0 +1,213 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) with a paged KV cache.
+
+The batch is flattened: every tensor is [T, ...] over this step's tokens of all sequences, so
+prefill chunks and decodes run in one forward with no padding. q/k/v and gate/up are merged
+into one matmul each; Hugging Face weights are split into them by `load_weights`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._attention import AttentionMetadata, paged_attention
+from .._layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
+from .._model_config import ModelConfig
+from .._parallel import TensorParallel
+from .._rotary import RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, config: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        d = config.head_dim
+        self.num_heads = tp.split(config.num_heads, "num_attention_heads")
+        self.num_kv_heads = tp.split(config.num_kv_heads, "num_key_value_heads")
+        self.head_dim = d
+        self.scale = d**-0.5
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size,
+            [config.num_heads * d, config.num_kv_heads * d, config.num_kv_heads * d],
+            bias=config.qkv_bias,
+            tp=tp,
+            dtype=dtype,
+            what="attention heads",
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_heads * d,
+            config.hidden_size,
+            bias=config.o_bias,
+            tp=tp,
+            dtype=dtype,
+            what="attention heads",
+        )
+        self.rotary = rotary
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        result: torch.Tensor = self.o_proj(out.flatten(1))
+        return result
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size,
+            [size, size],
+            bias=False,
+            tp=tp,
+            dtype=dtype,
+            what="intermediate_size",
+        )
+        self.down_proj = RowParallelLinear(
+            size, config.hidden_size, bias=False, tp=tp, dtype=dtype, what="intermediate_size"
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        result: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        return result
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, rotary, tp, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(config, tp, dtype)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, kv: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv, meta)
+        result: torch.Tensor = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return result
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_MERGED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_ROW = {"self_attn.o_proj", "mlp.down_proj"}
+_NORMS = {"input_layernorm", "post_attention_layernorm"}
+
+
+class LlamaForCausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and (tied or own) vocab-parallel LM head."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp=tp, dtype=dtype
+        )
+        rotary = RotaryEmbedding(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+            dtype,
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary, tp, dtype) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings
+            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp, dtype=dtype)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden] of this step's tokens."""
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(positions, hidden, kv, meta)
+        result: torch.Tensor = self.norm(hidden)
+        return result
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] logits."""
+        return self.lm_head.logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load Hugging Face-named tensors, each split into this rank's shard.
+
+        Returns:
+            The checkpoint names loaded.
+
+        Raises:
+            KeyError: a tensor the model does not have (a different architecture).
+        """
+        loaded = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            self._load_one(name, tensor)
+            loaded.add(name)
+        return loaded
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+        if name == "model.embed_tokens.weight":
+            self.embed_tokens.load(tensor)
+            return
+        if name == "lm_head.weight":
+            if not self.config.tie_word_embeddings:
+                self.lm_head.load(tensor)
+            return
+        if name == "model.norm.weight":
+            self.norm.weight.data.copy_(tensor)
+            return
+        match = _LAYER.match(name)
+        if match is None:
+            raise KeyError(f"checkpoint tensor {name!r} is not part of a Llama-family model")
+        layer = self.layers[int(match.group(1))]
+        path, kind = match.group(2).rsplit(".", 1)
+        if path not in _MERGED and path not in _ROW and path not in _NORMS:
+            raise KeyError(f"checkpoint tensor {name!r} is not part of a Llama-family model")
+        is_bias = kind == "bias"
+        module = layer.get_submodule(_MERGED[path][0] if path in _MERGED else path)
+        if isinstance(module, ColumnParallelLinear):
+            module.load(_MERGED[path][1], tensor, is_bias=is_bias)
+        elif isinstance(module, RowParallelLinear):
+            module.load(tensor, is_bias=is_bias)
+        elif isinstance(module, RMSNorm):
+            module.weight.data.copy_(tensor)
+        else:
+            raise KeyError(f"checkpoint tensor {name!r} is not part of a Llama-family model")

@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from trillm.gpu import ModelRunner, TensorParallel, WorkerConfig, open_model
+
+TINY = dict(
+    vocab_size=49152,  # SmolLM2's tokenizer
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def save_tiny(path: Path, kind: str) -> Path:
+    """A tiny random Llama (tied embeddings, like SmolLM2) or Qwen2 (qkv bias), saved."""
+    torch.manual_seed(0)
+    if kind == "llama":
+        config = transformers.LlamaConfig(**TINY, tie_word_embeddings=True)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.Qwen2Config(**TINY, tie_word_embeddings=False)
+        model = transformers.Qwen2ForCausalLM(config)
+        with torch.no_grad():  # random biases, so a wrong bias path shows
+            for layer in model.model.layers:
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def tiny_model_dir(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    return save_tiny(tmp_path_factory.mktemp(f"tiny-{request.param}"), request.param)
+
+
+def make_runner(
+    model_dir: Path, *, num_blocks: int = 64, block_size: int = 8, **kw: object
+) -> ModelRunner:
+    config = WorkerConfig(
+        str(model_dir), device="cpu", dtype="float32", block_size=block_size, **kw
+    )  # type: ignore[arg-type]
+    model_config, weights = open_model(config.model, config.load_format)
+    runner = ModelRunner(config, model_config, TensorParallel(), torch.device("cpu"))
+    runner.load_model(weights)
+    runner.init_kv_cache(num_blocks)
+    return runner

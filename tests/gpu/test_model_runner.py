@@ -1,0 +1,114 @@
+"""The runner against transformers' reference forward, on tiny random models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from trillm.gpu import SamplingOptions
+
+from .conftest import make_runner
+from .driver import Driver, DriverRequest
+
+
+class CapturingSampler:
+    """Wraps the runner's sampler and records the logits it is given."""
+
+    def __init__(self, sampler: object) -> None:
+        self.sampler = sampler
+        self.logits: list[torch.Tensor] = []
+
+    def __call__(self, logits: torch.Tensor, batch: object) -> object:
+        self.logits.append(logits.clone())
+        return self.sampler(logits, batch)  # type: ignore[operator]
+
+
+def reference_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0, -1]
+
+
+def test_logits_equal_transformers_for_mixed_prefill_chunks_and_decodes(
+    tiny_model_dir: Path,
+) -> None:
+    runner = make_runner(tiny_model_dir)
+    capture = CapturingSampler(runner.sampler)
+    runner.sampler = capture  # type: ignore[assignment]
+    prompts = [list(range(100, 123)), list(range(300, 305)), list(range(7, 20)), [42]]
+    requests = [
+        DriverRequest(0, prompts[0], max_tokens=4),  # chunks of 6 while others decode
+        DriverRequest(1, prompts[1], max_tokens=6),
+        DriverRequest(2, prompts[2], max_tokens=3, arrival_step=2),
+        DriverRequest(3, prompts[3], max_tokens=3, arrival_step=3),
+    ]
+    driver = Driver(runner, 64, chunk=6)
+    driver.run(requests)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    produced = {r.rnum: 0 for r in requests}
+    sampling_steps = [out for out in driver.history if len(out.rnums)]
+    assert len(sampling_steps) == len(capture.logits)
+    mixed = 0
+    for out, logits in zip(sampling_steps, capture.logits, strict=True):
+        mixed += len(out.rnums) > 1
+        for row, rnum in enumerate(out.rnums.tolist()):
+            request = requests[rnum]
+            context = request.prompt + request.output[: produced[rnum]]
+            produced[rnum] += 1
+            torch.testing.assert_close(
+                logits[row], reference_logits(hf, context), atol=1e-4, rtol=0
+            )
+    assert produced == {r.rnum: r.max_tokens for r in requests}
+    assert mixed >= 3
+
+
+def test_greedy_generation_equals_transformers_generate(tiny_model_dir: Path) -> None:
+    runner = make_runner(tiny_model_dir)
+    prompts = [list(range(50, 50 + n)) for n in (3, 17, 9, 1, 30, 12, 5, 21)]
+    requests = [DriverRequest(i, p, max_tokens=12) for i, p in enumerate(prompts)]
+    Driver(runner, 64).run(requests)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    for request in requests:
+        expected = hf.generate(
+            torch.tensor([request.prompt]),
+            attention_mask=torch.ones(1, len(request.prompt), dtype=torch.long),
+            max_new_tokens=12,
+            min_new_tokens=12,
+            do_sample=False,
+            pad_token_id=0,
+        )[0, len(request.prompt) :].tolist()
+        assert request.output == expected, request.rnum
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+def test_chunked_prefill_gives_the_same_tokens(tiny_model_dir: Path, chunk: int) -> None:
+    prompts = [list(range(200, 200 + n)) for n in (13, 2, 27)]
+    runner = make_runner(tiny_model_dir)
+    reqs = [DriverRequest(i, p, max_tokens=5) for i, p in enumerate(prompts)]
+    Driver(runner, 64, chunk=chunk).run(reqs)
+    baseline = make_runner(tiny_model_dir)
+    base = [DriverRequest(i, p, max_tokens=5) for i, p in enumerate(prompts)]
+    Driver(baseline, 64).run(base)
+    assert [r.output for r in reqs] == [r.output for r in base]
+
+
+def test_prompt_logprobs_match_log_softmax(tiny_model_dir: Path) -> None:
+    runner = make_runner(tiny_model_dir)
+    prompt = list(range(60, 75))
+    options = SamplingOptions(temperature=0.0, prompt_logprobs=3)
+    driver = Driver(runner, 64, chunk=4)
+    driver.run([DriverRequest(0, prompt, max_tokens=2, options=options)])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], dim=-1)
+    chunks = [out.prompt_logprobs[0] for out in driver.history if out.prompt_logprobs]
+    assert [c.first_position for c in chunks] == [1, 5, 9, 13]  # chunks of 4 prompt tokens
+    logprobs = torch.from_numpy(np.concatenate([c.logprobs for c in chunks]))
+    expected = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    torch.testing.assert_close(logprobs, expected, atol=1e-4, rtol=0)
+    top = ref[: len(prompt) - 1].topk(3)
+    ids = np.concatenate([c.topk_ids for c in chunks if c.topk_ids is not None])
+    assert ids.tolist() == top.indices.tolist()

@@ -1,0 +1,38 @@
+"""One tensor-parallel rank for the TP tests: ``python tp_peer.py MODEL RANK WORLD INIT``.
+
+Runs the same driver as the test on a `Worker`; rank 0 prints the generated tokens as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tests.gpu.driver import Driver, DriverRequest
+from trillm.gpu import Worker, WorkerConfig
+
+PROMPTS = [list(range(50, 50 + n)) for n in (3, 17, 9, 1, 30)]
+
+
+def generate(worker: Worker) -> list[list[int]]:
+    worker.init_device()
+    worker.load_model()
+    blocks = min(worker.num_available_kv_blocks(), 64)
+    worker.init_kv_cache(blocks)
+    requests = [DriverRequest(i, p, max_tokens=10) for i, p in enumerate(PROMPTS)]
+    Driver(worker.runner, blocks, chunk=7).run(requests)
+    return [r.output for r in requests]
+
+
+if __name__ == "__main__":
+    model, rank, world, init = sys.argv[1:]
+    config = WorkerConfig(
+        model, device="cpu", dtype="float32", block_size=8, kv_cache_bytes=1 << 24
+    )
+    worker = Worker(config, rank=int(rank), world_size=int(world), dist_init_method=init)
+    try:
+        outputs = generate(worker)
+    finally:
+        worker.shutdown()
+    if int(rank) == 0:
+        print(json.dumps(outputs), flush=True)
