@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 import transformers
 
 from trillm.gpu import ModelRunner, TensorParallel, WorkerConfig, open_model
+from trillm.gpu._default_model import default_model_dir
 
 TINY = dict(
     vocab_size=49152,  # SmolLM2's tokenizer
@@ -41,6 +43,9 @@ def save_tiny(path: Path, kind: str) -> Path:
                 ):
                     proj.bias.normal_(0, 0.5)
     model.save_pretrained(path)
+    tokenizer_dir = default_model_dir(progress=False)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, path / name)
     return path
 
 

@@ -112,3 +112,9 @@ def test_prompt_logprobs_match_log_softmax(tiny_model_dir: Path) -> None:
     top = ref[: len(prompt) - 1].topk(3)
     ids = np.concatenate([c.topk_ids for c in chunks if c.topk_ids is not None])
     assert ids.tolist() == top.indices.tolist()
+
+
+def test_the_tiny_model_speaks_smollm2s_tokenizer(tiny_model_dir: Path) -> None:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert tokenizer.convert_ids_to_tokens([1, 2]) == ["<|im_start|>", "<|im_end|>"]
+    assert len(tokenizer) == 49152
