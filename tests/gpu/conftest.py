@@ -26,11 +26,26 @@ TINY = dict(
 
 
 def save_tiny(path: Path, kind: str) -> Path:
-    """A tiny random Llama (tied embeddings, like SmolLM2) or Qwen2 (qkv bias), saved."""
+    """A tiny random Llama (tied embeddings, like SmolLM2), Llama 3 (llama3 RoPE scaling,
+    untied, saved in shards) or Qwen2 (qkv bias), saved with SmolLM2's tokenizer."""
     torch.manual_seed(0)
+    shard = None
     if kind == "llama":
         config = transformers.LlamaConfig(**TINY, tie_word_embeddings=True)
         model = transformers.LlamaForCausalLM(config)
+    elif kind == "llama3":
+        scaling = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        }
+        config = transformers.LlamaConfig(
+            **{**TINY, "rope_theta": 500000.0}, rope_scaling=scaling, tie_word_embeddings=False
+        )
+        model = transformers.LlamaForCausalLM(config)
+        shard = "4MB"
     else:
         config = transformers.Qwen2Config(**TINY, tie_word_embeddings=False)
         model = transformers.Qwen2ForCausalLM(config)
@@ -42,14 +57,17 @@ def save_tiny(path: Path, kind: str) -> Path:
                     layer.self_attn.v_proj,
                 ):
                     proj.bias.normal_(0, 0.5)
-    model.save_pretrained(path)
+    if shard is None:
+        model.save_pretrained(path)
+    else:
+        model.save_pretrained(path, max_shard_size=shard)
     tokenizer_dir = default_model_dir(progress=False)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, path / name)
     return path
 
 
-@pytest.fixture(scope="session", params=["llama", "qwen2"])
+@pytest.fixture(scope="session", params=["llama", "llama3", "qwen2"])
 def tiny_model_dir(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:

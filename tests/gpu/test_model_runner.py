@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -118,3 +119,22 @@ def test_the_tiny_model_speaks_smollm2s_tokenizer(tiny_model_dir: Path) -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
     assert tokenizer.convert_ids_to_tokens([1, 2]) == ["<|im_start|>", "<|im_end|>"]
     assert len(tokenizer) == 49152
+
+
+def test_sharded_checkpoints_and_llama3_rope_scaling_are_read(tiny_model_dir: Path) -> None:
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    if (
+        config.get("rope_scaling")
+        or (config.get("rope_parameters") or {}).get("rope_type") == "llama3"
+    ):
+        assert (tiny_model_dir / "model.safetensors.index.json").exists()
+        runner = make_runner(tiny_model_dir)
+        assert runner.model_config.rope_scaling is not None
+        assert runner.model_config.rope_scaling["rope_type"] == "llama3"
+
+
+def test_dummy_weights_run_without_a_checkpoint(tiny_model_dir: Path) -> None:
+    runner = make_runner(tiny_model_dir, load_format="dummy")
+    requests = [DriverRequest(0, [5, 6, 7], max_tokens=4)]
+    Driver(runner, 64).run(requests)
+    assert len(requests[0].output) == 4
