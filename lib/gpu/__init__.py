@@ -6,6 +6,8 @@ Knows no scheduling policy and nothing of the engine or HTTP (DESIGN.md §1, §7
 
 from ._config import WorkerConfig as WorkerConfig
 from ._config import WorkerConfigError as WorkerConfigError
+from ._failure import InjectedFault as InjectedFault
+from ._failure import WorkerFailure as WorkerFailure
 from ._model_config import ModelConfig as ModelConfig
 from ._model_config import ModelConfigError as ModelConfigError
 from ._model_runner import ModelRunner as ModelRunner
@@ -15,6 +17,7 @@ from ._sampling_options import SamplingOptions as SamplingOptions
 from ._step_batch import NewRequest as NewRequest
 from ._step_batch import PromptLogprobs as PromptLogprobs
 from ._step_batch import RunnerOutput as RunnerOutput
+from ._step_batch import RunnerOutputCodec as RunnerOutputCodec
 from ._step_batch import StepBatch as StepBatch
 from ._step_batch import StepBatchCodec as StepBatchCodec
 from ._weights import WeightsError as WeightsError

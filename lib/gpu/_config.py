@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+_FAULT = re.compile(r"forward:\d+:\d+")
 
 
 class WorkerConfigError(ValueError):
@@ -33,6 +35,9 @@ class WorkerConfig:
     kv_cache_bytes: int = 1 << 30  # the KV budget on CPU, where free memory is not measurable
     gpu_memory_utilization: float = 0.9
     seed: int = 0
+    # Test hook: "forward:RANK:STEP" raises InjectedFault inside the model's forward on that
+    # rank at that step (counting from 0), so death reporting can be tested end to end.
+    inject_fault: str | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -51,6 +56,10 @@ class WorkerConfig:
             raise WorkerConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.inject_fault is not None and not _FAULT.fullmatch(self.inject_fault):
+            raise WorkerConfigError(
+                f"inject_fault must look like 'forward:RANK:STEP', got {self.inject_fault!r}"
+            )
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
             if getattr(self, name) <= 0:
                 raise WorkerConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -64,3 +73,10 @@ class WorkerConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+    def fault_at(self) -> tuple[int, int] | None:
+        """(rank, step) of the injected fault, if the test hook is set."""
+        if self.inject_fault is None:
+            return None
+        _, rank, step = self.inject_fault.split(":")
+        return int(rank), int(step)

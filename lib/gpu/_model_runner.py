@@ -48,6 +48,9 @@ class ModelRunner:
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self._block_numel = 0
         self.model: LlamaForCausalLM | None = None
+        fault = config.fault_at()
+        self._fault_step = fault[1] if fault is not None and fault[0] == tp.rank else -1
+        self._num_steps = 0
         eos = model_config.eos_token_ids
         self.eos_token_id = eos[0] if eos else None
 
@@ -129,6 +132,9 @@ class ModelRunner:
         if self.model is None or not self.kv_caches:
             raise RuntimeError("execute() before load_model() and init_kv_cache()")
         self._update_requests(batch)
+        self._num_steps += 1
+        if self._fault_step == self._num_steps - 1:
+            self.model.fail_next_forward = True
         if not len(batch.scheduled_rnums):
             return RunnerOutput(np.zeros(0, np.uint64), np.zeros(0, np.int32))
         inputs = self.inputs.prepare(batch.scheduled_rnums, batch.num_scheduled_tokens)

@@ -111,3 +111,84 @@ class StepBatchCodec:
             np.frombuffer(wire.num_scheduled_tokens, "<i4"),
             np.frombuffer(wire.finished_rnums, "<u8"),
         )
+
+
+class _WirePromptLogprobs(msgspec.Struct, array_like=True, gc=False):
+    rnum: int
+    first_position: int
+    k: int
+    logprobs: bytes
+    topk_ids: bytes | None
+    topk_logprobs: bytes | None
+
+
+class _WireOutput(msgspec.Struct, array_like=True, gc=False):
+    rnums: bytes
+    token_ids: bytes
+    k: int  # top-k columns (0: none)
+    logprobs: bytes | None
+    topk_ids: bytes | None
+    topk_logprobs: bytes | None
+    prompt_logprobs: list[_WirePromptLogprobs]
+
+
+def _raw(array: np.ndarray | None, dtype: str) -> bytes | None:
+    return None if array is None else np.ascontiguousarray(array, dtype).tobytes()
+
+
+def _array(data: bytes | None, dtype: str, k: int = 0) -> np.ndarray | None:
+    if data is None:
+        return None
+    array = np.frombuffer(data, dtype)
+    return array.reshape(-1, k) if k else array
+
+
+class RunnerOutputCodec:
+    """msgpack with raw arrays for `RunnerOutput` (worker rank 0 -> executor)."""
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(_WireOutput)
+
+    def encode_into(self, output: RunnerOutput, buffer: bytearray) -> None:
+        k = 0 if output.topk_ids is None else int(output.topk_ids.shape[1])
+        prompt = [
+            _WirePromptLogprobs(
+                rnum,
+                p.first_position,
+                0 if p.topk_ids is None else int(p.topk_ids.shape[1]),
+                np.ascontiguousarray(p.logprobs, "<f4").tobytes(),
+                _raw(p.topk_ids, "<i4"),
+                _raw(p.topk_logprobs, "<f4"),
+            )
+            for rnum, p in output.prompt_logprobs.items()
+        ]
+        wire = _WireOutput(
+            np.ascontiguousarray(output.rnums, "<u8").tobytes(),
+            np.ascontiguousarray(output.token_ids, "<i4").tobytes(),
+            k,
+            _raw(output.logprobs, "<f4"),
+            _raw(output.topk_ids, "<i4"),
+            _raw(output.topk_logprobs, "<f4"),
+            prompt,
+        )
+        self._encoder.encode_into(wire, buffer)
+
+    def decode(self, data: bytes | memoryview) -> RunnerOutput:
+        wire = self._decoder.decode(data)
+        prompt = {}
+        for p in wire.prompt_logprobs:
+            prompt[p.rnum] = PromptLogprobs(
+                p.first_position,
+                np.frombuffer(p.logprobs, "<f4"),
+                _array(p.topk_ids, "<i4", p.k),
+                _array(p.topk_logprobs, "<f4", p.k),
+            )
+        return RunnerOutput(
+            np.frombuffer(wire.rnums, "<u8"),
+            np.frombuffer(wire.token_ids, "<i4"),
+            _array(wire.logprobs, "<f4"),
+            _array(wire.topk_ids, "<i4", wire.k),
+            _array(wire.topk_logprobs, "<f4", wire.k),
+            prompt,
+        )

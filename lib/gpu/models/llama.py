@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._attention import AttentionMetadata, paged_attention
+from .._failure import InjectedFault
 from .._layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from .._model_config import ModelConfig
 from .._parallel import TensorParallel
@@ -128,6 +129,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
+        self.fail_next_forward = False  # the inject_fault test hook
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp=tp, dtype=dtype
         )
@@ -156,6 +158,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] of this step's tokens."""
+        if self.fail_next_forward:
+            self.fail_next_forward = False
+            raise InjectedFault("injected fault in LlamaForCausalLM.forward (test hook)")
         hidden = self.embed_tokens(input_ids)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             hidden = layer(positions, hidden, kv, meta)
