@@ -53,6 +53,11 @@ def open_model(model: str, load_format: str) -> tuple[ModelConfig, Weights | Non
         ModelConfigError, WeightsError: the path or its contents are not a usable model.
     """
     path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelConfigError(
+            f"model {model!r} does not exist: give a Hugging Face model directory "
+            f"(config.json + *.safetensors) or a GGUF file"
+        )
     is_gguf = path.suffix == ".gguf" or load_format == "gguf"
     if is_gguf:
         from ._gguf import GGUFCheckpoint

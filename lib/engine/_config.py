@@ -1,0 +1,43 @@
+"""The engine process's configuration: parsed once at the edge, sent to the child as JSON."""
+
+from __future__ import annotations
+
+import msgspec
+
+from ..gpu import WorkerConfig
+
+EXECUTORS = ("auto", "uni", "multiproc", "null")
+
+
+class EngineConfigError(ValueError):
+    """An engine setting is out of range; the message names it and the limit."""
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything the engine process needs besides its ring addresses."""
+
+    worker: WorkerConfig
+    tensor_parallel_size: int = 1
+    executor: str = "auto"  # auto: "uni" at TP 1, "multiproc" above
+    enable_prefix_caching: bool = True
+    null_step_time: float = 0.0  # the null executor's simulated step time, seconds
+    null_num_blocks: int = 65536
+    request_ring_bytes: int = 1 << 22
+    output_ring_bytes: int = 1 << 24
+    output_timeout: float = 60.0  # how long a step waits for the frontend to make room
+
+    def __post_init__(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise EngineConfigError(f"executor {self.executor!r} is not one of {EXECUTORS}")
+        if self.tensor_parallel_size < 1:
+            raise EngineConfigError(
+                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
+            )
+        if self.executor == "uni" and self.tensor_parallel_size > 1:
+            raise EngineConfigError("the uni executor runs one rank: use executor='multiproc'")
+
+    @property
+    def executor_kind(self) -> str:
+        if self.executor != "auto":
+            return self.executor
+        return "uni" if self.tensor_parallel_size == 1 else "multiproc"

@@ -1,0 +1,103 @@
+"""The engine process: ``python -m trillm.engine._core_process <EngineArgs JSON>``.
+
+Started by the frontend (a fresh interpreter), it dies with its parent (a parent-death
+signal, checked against the parent pid it was given to close the race), ignores SIGINT (a
+terminal's Ctrl-C reaches the whole process group; the frontend decides how to shut down),
+attaches the two rings, starts the executor and runs the busy loop. Any exception becomes one
+DEAD record naming the root cause, then exit code 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import traceback
+
+import msgspec
+
+from ..gpu import open_model
+from ..transport_shm import RingAddress, RingReader, RingWriter
+from . import _protocol as P
+from ._config import EngineConfig
+from ._core import EngineCore
+from ._errors import RemoteError, WorkerDiedError
+from ._executor import Executor, NullExecutor, UniprocExecutor
+
+PR_SET_PDEATHSIG = 1
+
+
+class EngineArgs(msgspec.Struct, frozen=True):
+    """The engine's command line: its config, its rings, and who its parent is."""
+
+    config: EngineConfig
+    request_ring: RingAddress
+    output_ring: RingAddress
+    parent_pid: int
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when its parent dies; exit now if it already has."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    kind = config.executor_kind
+    if kind == "uni":
+        return UniprocExecutor(config.worker)
+    if kind == "null":
+        model_config, _ = open_model(config.worker.model, "dummy")
+        max_len = config.worker.max_model_len or model_config.max_position_embeddings
+        return NullExecutor(
+            model_config,
+            num_blocks=config.null_num_blocks,
+            max_model_len=max_len,
+            step_time=config.null_step_time,
+        )
+    from ._executor_multiproc import MultiprocExecutor
+
+    return MultiprocExecutor(config.worker, config.tensor_parallel_size)
+
+
+def root_cause(exc: BaseException) -> RemoteError:
+    if isinstance(exc, WorkerDiedError):
+        return exc.error
+    return RemoteError(
+        "engine", type(exc).__qualname__, str(exc), "".join(traceback.format_exception(exc))
+    )
+
+
+def main(argv: list[str]) -> int:
+    args = msgspec.json.decode(argv[1], type=EngineArgs)
+    die_with_parent(args.parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with (
+        RingReader.attach(args.request_ring) as requests,
+        RingWriter.attach(args.output_ring) as outputs,
+    ):
+        executor: Executor | None = None
+        try:
+            executor = make_executor(args.config)
+            core = EngineCore(args.config, requests, outputs, executor)
+            core.start()
+            core.run()
+            return 0
+        except BaseException as exc:
+            cause = root_cause(exc)
+            with contextlib.suppress(Exception):  # the frontend is gone or stuck: exit anyway
+                outputs.send(P.DEAD, msgspec.msgpack.encode(cause), timeout=5.0)
+            print(cause.traceback or cause.describe(), file=sys.stderr)
+            return 1
+        finally:
+            if executor is not None:
+                executor.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

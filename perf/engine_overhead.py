@@ -1,0 +1,103 @@
+"""The engine process's host overhead per step: the real scheduler and rings, no model.
+
+Runs the engine with the `null` executor (deterministic tokens, simulated step time 0) and
+B running requests, driven by the tests' synchronous client through the real rings; measures
+over N steps after a warm-up: wall time per step, the engine process's CPU time per step and
+per token (from /proc), and the client's CPU time per step (reading STEP records and fanning
+tokens out per request). Everything but the model, so this is the engine's own cost.
+
+    python perf/engine_overhead.py [--batches 1,64,256,1024] [--steps 300] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.engine.client import GREEDY, EngineClient  # noqa: E402 - the tests' engine client
+from trillm.engine._config import EngineConfig  # noqa: E402
+from trillm.gpu import WorkerConfig  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu(pid: int) -> float:
+    """User + system CPU seconds of `pid` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def measure(model: str, batch: int, steps: int, warmup: int) -> dict[str, float]:
+    worker = WorkerConfig(
+        model,
+        device="cpu",
+        max_num_seqs=max(batch, 1),
+        max_num_batched_tokens=max(batch * 8, 256),
+        max_model_len=warmup + steps + 64,
+    )
+    client = EngineClient(EngineConfig(worker=worker, executor="null"))
+    try:
+        for rnum in range(batch):
+            client.add(rnum, [100 + rnum % 50] * 8, max_tokens=warmup + steps + 8, options=GREEDY)
+        client.run_until(lambda: client.steps >= warmup)
+        start_steps = client.steps
+        wall, engine, mine = (
+            time.perf_counter(),
+            process_cpu(client.process.pid),
+            time.process_time(),
+        )
+        client.run_until(lambda: client.steps >= start_steps + steps, timeout=600)
+        wall = time.perf_counter() - wall
+        engine = process_cpu(client.process.pid) - engine
+        mine = time.process_time() - mine
+        done = client.steps - start_steps
+        client.shutdown("abort")
+        client.wait_exit()
+    finally:
+        client.close()
+    return {
+        "batch": batch,
+        "steps": done,
+        "step_us": wall / done * 1e6,
+        "engine_cpu_us_per_step": engine / done * 1e6,
+        "engine_cpu_ns_per_token": engine / done / batch * 1e9,
+        "client_cpu_us_per_step": mine / done * 1e6,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="a model dir or GGUF for the config (default: SmolLM2)")
+    parser.add_argument("--batches", default="1,64,256,1024")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    if args.model is None:
+        from trillm.gpu._default_model import default_model_dir
+
+        args.model = str(default_model_dir(progress=False))
+    rows = []
+    print(f"{'B':>6}{'step_us':>10}{'engine_cpu_us':>15}{'engine_ns/tok':>15}{'client_cpu_us':>15}")
+    for batch in map(int, args.batches.split(",")):
+        row = measure(args.model, batch, args.steps, args.warmup)
+        rows.append(row)
+        print(
+            f"{batch:>6}{row['step_us']:>10.1f}{row['engine_cpu_us_per_step']:>15.1f}"
+            f"{row['engine_cpu_ns_per_token']:>15.1f}{row['client_cpu_us_per_step']:>15.1f}",
+            flush=True,
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
