@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from ..gpu import WorkerConfig
+from ..transport_shm import RingAddress
 
 EXECUTORS = ("auto", "uni", "multiproc", "null")
 
@@ -41,3 +42,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.executor != "auto":
             return self.executor
         return "uni" if self.tensor_parallel_size == 1 else "multiproc"
+
+
+class EngineArgs(msgspec.Struct, frozen=True):
+    """The engine's command line: its config, its rings, and who its parent is."""
+
+    config: EngineConfig
+    request_ring: RingAddress
+    output_ring: RingAddress
+    parent_pid: int

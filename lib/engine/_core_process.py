@@ -19,23 +19,14 @@ import traceback
 import msgspec
 
 from ..gpu import open_model
-from ..transport_shm import RingAddress, RingReader, RingWriter
+from ..transport_shm import RingReader, RingWriter
 from . import _protocol as P
-from ._config import EngineConfig
+from ._config import EngineArgs, EngineConfig
 from ._core import EngineCore
 from ._errors import RemoteError, WorkerDiedError
 from ._executor import Executor, NullExecutor, UniprocExecutor
 
 PR_SET_PDEATHSIG = 1
-
-
-class EngineArgs(msgspec.Struct, frozen=True):
-    """The engine's command line: its config, its rings, and who its parent is."""
-
-    config: EngineConfig
-    request_ring: RingAddress
-    output_ring: RingAddress
-    parent_pid: int
 
 
 def die_with_parent(parent_pid: int) -> None:

@@ -16,8 +16,7 @@ import msgspec
 
 from ..transport_shm import BusyError, RingReader, RingWriter
 from . import _protocol as P
-from ._config import EngineConfig
-from ._core_process import EngineArgs
+from ._config import EngineArgs, EngineConfig
 from ._errors import RemoteError
 
 
