@@ -6,7 +6,7 @@ over N steps after a warm-up: wall time per step, the engine process's CPU time 
 per token (from /proc), and the client's CPU time per step (reading STEP records and fanning
 tokens out per request). Everything but the model, so this is the engine's own cost.
 
-    python perf/engine_overhead.py [--batches 1,64,256,1024] [--steps 300] [--json PATH]
+    python perf/engine_overhead.py [--batches 1,64,256,1024] [--steps N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -25,14 +25,16 @@ from tests.engine.client import GREEDY, EngineClient  # noqa: E402 - the tests' 
 from trillm.engine._config import EngineConfig  # noqa: E402
 from trillm.gpu import WorkerConfig  # noqa: E402
 
-TICK = os.sysconf("SC_CLK_TCK")
+STEPS = {1: 40000, 64: 8000, 256: 3000, 1024: 1000}  # about a second each, here
 
 
 def process_cpu(pid: int) -> float:
-    """User + system CPU seconds of `pid` so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    """CPU seconds of every thread of `pid` so far (schedstat: nanoseconds, not ticks)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+            total += int(f.read().split()[0])
+    return total / 1e9
 
 
 def measure(model: str, batch: int, steps: int, warmup: int) -> dict[str, float]:
@@ -43,7 +45,7 @@ def measure(model: str, batch: int, steps: int, warmup: int) -> dict[str, float]
         max_num_batched_tokens=max(batch * 8, 256),
         max_model_len=warmup + steps + 64,
     )
-    client = EngineClient(EngineConfig(worker=worker, executor="null"))
+    client = EngineClient(EngineConfig(worker=worker, executor="null", null_num_blocks=1 << 17))
     try:
         for rnum in range(batch):
             client.add(rnum, [100 + rnum % 50] * 8, max_tokens=warmup + steps + 8, options=GREEDY)
@@ -77,7 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a model dir or GGUF for the config (default: SmolLM2)")
     parser.add_argument("--batches", default="1,64,256,1024")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, help="steps per batch size (default: ~1 s each)")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
@@ -88,7 +90,8 @@ def main() -> None:
     rows = []
     print(f"{'B':>6}{'step_us':>10}{'engine_cpu_us':>15}{'engine_ns/tok':>15}{'client_cpu_us':>15}")
     for batch in map(int, args.batches.split(",")):
-        row = measure(args.model, batch, args.steps, args.warmup)
+        steps = args.steps or STEPS.get(batch, max(1000, 1_000_000 // max(batch, 1)))
+        row = measure(args.model, batch, steps, args.warmup)
         rows.append(row)
         print(
             f"{batch:>6}{row['step_us']:>10.1f}{row['engine_cpu_us_per_step']:>15.1f}"

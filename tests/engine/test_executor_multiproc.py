@@ -141,7 +141,11 @@ def test_a_killed_rank_is_reported_within_a_second(model_dir: Path, victim: int)
 @pytest.mark.parametrize(
     ("model", "kv_cache_bytes", "cause"),
     [
-        ("missing", 1 << 24, r"ModelConfigError: model '.*missing' does not exist: give a Hugging Face"),
+        (
+            "missing",
+            1 << 24,
+            r"ModelConfigError: model '.*missing' does not exist: give a Hugging Face",
+        ),
         (None, 100, r"KVCacheTooSmallError: the KV cache does not fit: one block of 8 tokens"),
     ],
 )
