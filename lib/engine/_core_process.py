@@ -10,8 +10,6 @@ DEAD record naming the root cause, then exit code 1.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import os
 import signal
 import sys
 import traceback
@@ -19,23 +17,13 @@ import traceback
 import msgspec
 
 from ..gpu import open_model
+from ..gpu._process import die_with_parent
 from ..transport_shm import RingReader, RingWriter
 from . import _protocol as P
 from ._config import EngineArgs, EngineConfig
 from ._core import EngineCore
 from ._errors import RemoteError, WorkerDiedError
 from ._executor import Executor, NullExecutor, UniprocExecutor
-
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when its parent dies; exit now if it already has."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 def make_executor(config: EngineConfig) -> Executor:

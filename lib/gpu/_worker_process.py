@@ -26,7 +26,6 @@ later), because ``CLOCK_MONOTONIC`` is one clock for every process on the machin
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import struct
@@ -42,6 +41,7 @@ import trio
 from ..transport_shm import RingAddress, RingReader, RingWriter
 from ._config import WorkerConfig
 from ._failure import WorkerFailure
+from ._process import ParentDiedError, die_with_parent
 from ._step_batch import RunnerOutputCodec, StepBatchCodec
 from ._worker import Worker
 
@@ -56,7 +56,6 @@ REPLY_FAILURE: Final = 104
 
 U64: Final = struct.Struct("<Q")
 FAILURE_REPORT_TIMEOUT: Final = 10.0  # seconds; the executor may already have stopped reading
-_PR_SET_PDEATHSIG: Final = 1
 
 
 class WorkerProcessArgs(msgspec.Struct, frozen=True, kw_only=True):
@@ -70,29 +69,6 @@ class WorkerProcessArgs(msgspec.Struct, frozen=True, kw_only=True):
     reader_index: int
     results: RingAddress  # our result ring; we are its writer
     parent_pid: int  # the executor's pid, to close the parent-death race
-
-
-class ParentDiedError(RuntimeError):
-    """The executor that spawned this worker exited before the worker could watch it."""
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Have the kernel SIGKILL us when the parent exits, so no rank outlives its executor.
-
-    The signal follows the parent *thread* that spawned us: the executor must live in a
-    thread that outlives it. Checking `getppid` after ``prctl`` closes the race with a
-    parent that died before the call.
-
-    Raises:
-        OSError: ``prctl`` failed.
-        ParentDiedError: the parent is already gone (we were re-parented).
-    """
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
-    if os.getppid() != parent_pid:
-        raise ParentDiedError(f"the executor (pid {parent_pid}) exited before this worker started")
 
 
 class _Server:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from trillm.gpu import WorkerConfig
 
 from ..gpu.conftest import make_runner, save_tiny
 from ..gpu.driver import Driver, DriverRequest
+from ..procs import children, is_dead
 from .client import GREEDY, EngineClient
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,14 +61,6 @@ def client_for(tiny_dir: Path) -> Iterator[object]:
 
 def shm_names() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith(f"trillm-{os.getpid()}-")}
-
-
-def children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except FileNotFoundError:
-        return []
 
 
 def test_greedy_tokens_equal_the_runner_for_8_concurrent_prompts(
@@ -172,10 +166,7 @@ def test_the_engine_exits_when_its_parent_dies(tiny_dir: Path) -> None:
         parent.kill()
         parent.wait(10)
         deadline = time.monotonic() + 10
-        while os.path.exists(f"/proc/{engine_pid}"):
-            with open(f"/proc/{engine_pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    break
+        while not is_dead(engine_pid):
             assert time.monotonic() < deadline, "the engine outlived its parent"
             time.sleep(0.02)
     finally:
@@ -215,7 +206,7 @@ def test_sigkill_of_worker_rank_1_yields_dead_naming_the_rank_and_signal(
     assert client.dead_at - killed_at < 1.0
     assert client.wait_exit() == 1
     deadline = time.monotonic() + 10
-    while any(os.path.exists(f"/proc/{pid}") and not _is_zombie(pid) for pid in workers):
+    while not all(is_dead(pid) for pid in workers):
         assert time.monotonic() < deadline, "a worker outlived the engine"
         time.sleep(0.05)
     assert not shm_names()
@@ -224,14 +215,4 @@ def test_sigkill_of_worker_rank_1_yields_dead_naming_the_rank_and_signal(
 def _rank_of(pid: int) -> int:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         args = f.read().split(b"\0")
-    import json
-
     return int(json.loads(args[3])["rank"])
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True

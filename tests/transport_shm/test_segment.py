@@ -21,6 +21,7 @@ from trillm.transport_shm import (
     sweep_stale_segments,
 )
 
+from ..procs import is_dead
 from .peers import Peers
 
 
@@ -30,15 +31,6 @@ def read_report(proc: subprocess.Popen[bytes]) -> dict[str, object]:
     assert line, "the peer exited before reporting"
     report: dict[str, object] = json.loads(line)
     return report
-
-
-def is_dead(pid: int) -> bool:
-    """Whether `pid` is gone or a zombie (killed, not yet reaped by its parent)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def kill_and_wait(pid: int) -> None:
