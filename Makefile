@@ -22,8 +22,8 @@ test: venv
 	timeout $(TEST_TIMEOUT) $(PY) -m pytest -q
 
 lint: venv
-	$(VENV)/bin/ruff check lib tests perf
-	$(VENV)/bin/ruff format --check lib tests perf
+	$(VENV)/bin/ruff check lib tests perf examples
+	$(VENV)/bin/ruff format --check lib tests perf examples
 	$(VENV)/bin/mypy lib
 
 bench: venv

@@ -1,3 +1,35 @@
-"""trillm: an LLM inference server on trio and shared-memory rings."""
+"""trillm: an LLM inference server on trio and shared-memory rings.
+
+The client API is re-exported here lazily (`trillm.open_llm`, `trillm.SamplingParams`, ...),
+so that importing a subpackage (the transport, in a worker) does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "open_llm": "trillm.engine._async_llm",
+    "AsyncLLM": "trillm.engine._async_llm",
+    "LLMConfig": "trillm.engine._async_llm",
+    "PromptTooLongError": "trillm.engine._async_llm",
+    "SamplingParams": "trillm.engine._sampling_params",
+    "SamplingParamsError": "trillm.engine._sampling_params",
+    "EngineConfig": "trillm.engine._config",
+    "EngineDeadError": "trillm.engine._errors",
+    "EngineStartError": "trillm.engine._launch",
+    "WorkerConfig": "trillm.gpu._config",
+    "default_model_dir": "trillm.gpu._default_model",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'trillm' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

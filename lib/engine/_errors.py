@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import msgspec
 
 
@@ -29,6 +31,38 @@ class RemoteError(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
         elif self.exit_code is not None:
             parts.append(f"exited with code {self.exit_code}")
         return " ".join(parts)
+
+
+def death_message(error: RemoteError) -> str:
+    """The root cause in words: "engine process killed by signal 9 (SIGKILL)",
+    "RuntimeError in worker rank 1: <message>", "engine process exited with code 3"."""
+    if error.signal is not None:
+        try:
+            name = f" ({signal.Signals(error.signal).name})"
+        except ValueError:
+            name = ""
+        return f"{error.where} process killed by signal {error.signal}{name}"
+    if error.exc_type:
+        return f"{error.exc_type} in {error.where}: {error.message}"
+    return f"{error.where} process exited with code {error.exit_code}"
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in another process, as text (the `__cause__`)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine died: every open request and every later call raises this.
+
+    The message names the root cause; `error` holds it whole, and a remote traceback, when
+    there is one, is attached as `__cause__`.
+    """
+
+    def __init__(self, error: RemoteError) -> None:
+        super().__init__(f"the engine died: {death_message(error)}")
+        self.error = error
+        if error.traceback:
+            self.__cause__ = RemoteTraceback(error.traceback)
 
 
 class WorkerDiedError(RuntimeError):

@@ -139,11 +139,11 @@ class RingReader(_RingEnd):
         return self._wait_for(self.try_peek, timeout, busy, announce=self._announce_sleep)
 
     async def peek_async(self) -> Record:
-        """`peek` for trio: sleeps without a thread; cancellable."""
-        await trio.lowlevel.checkpoint_if_cancelled()
+        """`peek` for trio: sleeps without a thread; cancellable (checkpoint first, as in
+        `RingWriter.reserve_async`)."""
+        await trio.lowlevel.checkpoint()
         record = self.try_peek()
         if record is not None:
-            await trio.lowlevel.cancel_shielded_checkpoint()
             return record
         return await self._wait_for_async(self.try_peek, announce=self._announce_sleep)
 

@@ -154,11 +154,16 @@ class RingWriter(_RingEnd):
         )
 
     async def reserve_async(self, nbytes: int) -> memoryview:
-        """`reserve` for trio: waits without a thread; cancellable."""
-        await trio.lowlevel.checkpoint_if_cancelled()
+        """`reserve` for trio: waits without a thread; cancellable.
+
+        The checkpoint comes before the reservation, never between it and the return, so a
+        task that fills and commits the view before its next `await` cannot lose it to
+        another task. Tasks sharing one writer must still serialise their waits (a doorbell
+        has one waiter): hold a `trio.Lock` around reserve + commit.
+        """
+        await trio.lowlevel.checkpoint()
         view = self.try_reserve(nbytes)
         if view is not None:
-            await trio.lowlevel.cancel_shielded_checkpoint()
             return view
         return await self._wait_for_async(
             lambda: self.try_reserve(nbytes), announce=self._announce_sleep
