@@ -29,7 +29,7 @@ from ._detokenizer import IncrementalDetokenizer, StopChecker
 from ._errors import EngineDeadError, RemoteError
 from ._launch import EngineStartError
 from ._output_processor import OutputProcessor, RequestState
-from ._outputs import Mailbox, Output
+from ._outputs import Mailbox, Output, TokenLogprob
 from ._sampling_params import SamplingParams
 from ._step_record import StepView
 
@@ -203,6 +203,7 @@ class AsyncLLM:
             ),
             stop=StopChecker(stops, params.include_stop_str_in_output) if stops else None,
             num_prompt_tokens=len(token_ids),
+            prompt_token_ids=token_ids,
             logprobs=params.logprobs,
             arrival_time=time.monotonic(),
         )
@@ -349,7 +350,11 @@ class AsyncLLM:
                 reader.release()
 
     def _event(self, event: P.Event) -> None:
-        if event.kind == "utility_result":
+        if event.kind == "prompt_logprobs":
+            state = self._processor.states.get(event.rnum)
+            if state is not None and state.mailbox.put(prompt_logprobs_output(state, event)):
+                state.mailbox.wake()
+        elif event.kind == "utility_result":
             waiter = self._utility_waiters.get(event.call_id)
             if waiter is not None:
                 waiter[1].extend((event.ok, event.result))
@@ -415,3 +420,20 @@ def load_tokenizer(path: str) -> Any:
         directory, name = os.path.split(os.path.abspath(path))
         return AutoTokenizer.from_pretrained(directory, gguf_file=name)
     return AutoTokenizer.from_pretrained(path)
+
+
+def prompt_logprobs_output(state: RequestState, event: P.Event) -> Output:
+    """An output carrying one chunk of prompt logprobs (None for the first prompt token)."""
+    logprobs = np.frombuffer(event.logprobs, "<f4").tolist()
+    k = event.k
+    top_ids = np.frombuffer(event.topk_ids, "<i4").reshape(-1, k).tolist() if k else None
+    top_lps = np.frombuffer(event.topk_logprobs, "<f4").reshape(-1, k).tolist() if k else None
+    first = event.first_position
+    entries: list[TokenLogprob | None] = [None] if first == 1 else []
+    for i, logprob in enumerate(logprobs):
+        token = state.prompt_token_ids[first + i]
+        top = list(zip(top_ids[i], top_lps[i], strict=True)) if top_ids and top_lps else []
+        entries.append(TokenLogprob(token, logprob, top))
+    return Output(
+        state.index, "", [], num_prompt_tokens=state.num_prompt_tokens, prompt_logprobs=entries
+    )

@@ -28,6 +28,7 @@ class RequestState:
     num_prompt_tokens: int
     logprobs: int | None  # top logprobs wanted per token, or None
     arrival_time: float
+    prompt_token_ids: list[int] = field(default_factory=list)
     num_output_tokens: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -188,3 +188,14 @@ async def test_prompt_plus_max_tokens_over_the_limit_is_refused_quoting_both(llm
     with pytest.raises(PromptTooLongError, match="has 10 tokens and max_tokens is 600"):
         async with llm.generate([5] * 10, SamplingParams(max_tokens=600)):
             pass
+
+
+async def test_prompt_logprobs_cover_every_prompt_token(llm: AsyncLLM) -> None:
+    prompt = [20 + i for i in range(9)]
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2, ignore_eos=True)
+    output = (await llm.complete(prompt, params))[0]
+    assert output.prompt_logprobs is not None and len(output.prompt_logprobs) == len(prompt)
+    assert output.prompt_logprobs[0] is None
+    entries = [e for e in output.prompt_logprobs[1:] if e is not None]
+    assert [e.token_id for e in entries] == prompt[1:]
+    assert all(e.logprob <= 0 and len(e.top) == 2 for e in entries)
