@@ -32,6 +32,6 @@ bench: venv
 clean:
 	rm -rf $(VENV) build *.egg-info lib/*.egg-info .pytest_cache .mypy_cache .ruff_cache
 
+# The built-in default model on 127.0.0.1:8000 (converted from its GGUF on first run).
 serve: venv
-	@echo "make serve: trillm serve lands with the HTTP server issue; nothing to serve yet." >&2
-	@exit 2
+	$(VENV)/bin/trillm serve $(SERVE_ARGS)

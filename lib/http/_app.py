@@ -1,0 +1,243 @@
+"""The ASGI application: OpenAI routes over `AsyncLLM`, no framework in between.
+
+Every request: route, check the API key, read the body up to a limit (413 before buffering
+more), decode into a msgspec schema, run. Generation handlers watch `receive()` for the
+client's disconnect and cancel their stream, which aborts the request in the engine. Errors
+are OpenAI error objects; engine death becomes a 500 (or an error event in a stream).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import trio
+
+from .. import __version__
+from ..engine import AsyncLLM, EngineDeadError, PromptTooLongError
+from ._errors import RequestError, error_body, not_found, overloaded, too_large, unauthorized
+from ._generate import Generation
+from ._metrics import Metrics
+from ._schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    chat_template_messages,
+    decode_request,
+    detokenize_response,
+    models_response,
+    tokenize_response,
+    version_response,
+)
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its request was read; nothing is left to answer."""
+
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+log = logging.getLogger("trillm.http")
+JSON = [(b"content-type", b"application/json")]
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The HTTP layer's settings (the engine's are in `LLMConfig`)."""
+
+    served_model_name: str
+    api_key: str | None = None
+    max_queued_requests: int = 1024
+    max_body_bytes: int = 4 << 20
+    write_timeout: float = 30.0
+    shutdown_timeout: float = 30.0
+
+
+class App:
+    """The OpenAI-compatible ASGI app."""
+
+    def __init__(self, llm: AsyncLLM, config: ServeConfig, metrics: Metrics) -> None:
+        self.llm = llm
+        self.config = config
+        self.metrics = metrics
+        self.generation = Generation(llm, config, metrics)
+        self._encoder = msgspec.json.Encoder()
+        self._routes: dict[tuple[str, str], Callable[..., Awaitable[None]]] = {
+            ("GET", "/health"): self._health,
+            ("GET", "/version"): self._version,
+            ("GET", "/v1/models"): self._models,
+            ("GET", "/metrics"): self._metrics,
+            ("POST", "/tokenize"): self._tokenize,
+            ("POST", "/detokenize"): self._detokenize,
+            ("POST", "/v1/completions"): self._completions,
+            ("POST", "/v1/chat/completions"): self._chat,
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        extra = _request_id_header(scope)
+        try:
+            handler = self._route(scope)
+            await handler(scope, receive, send, extra)
+        except ClientDisconnected:
+            return
+        except RequestError as err:
+            headers = [(k.encode(), v.encode()) for k, v in err.headers.items()]
+            await self._respond(send, err.status, error_body(err), extra + headers)
+        except EngineDeadError as exc:
+            await self._respond(
+                send, 500, error_body(RequestError(500, str(exc), "server_error")), extra
+            )
+        except PromptTooLongError as exc:
+            await self._respond(
+                send, 400, error_body(RequestError(400, str(exc), param="max_tokens")), extra
+            )
+        except Exception as exc:
+            log.exception("internal error")
+            body = error_body(RequestError(500, f"internal error: {exc}", "server_error"))
+            await self._respond(send, 500, body, extra)
+
+    def _route(self, scope: Scope) -> Callable[..., Awaitable[None]]:
+        method, path = scope["method"], scope["path"]
+        handler = self._routes.get((method, path))
+        if handler is None:
+            if any(p == path for _, p in self._routes):
+                raise RequestError(405, f"method {method} is not allowed on {path}")
+            raise not_found(f"route {path}")
+        if path != "/health" and self.config.api_key is not None:
+            expected = f"Bearer {self.config.api_key}".encode()
+            if _header(scope, b"authorization") != expected:
+                raise unauthorized()
+        return handler
+
+    async def _respond(
+        self, send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
+    ) -> None:
+        with trio.move_on_after(self.config.write_timeout):
+            await send(
+                {"type": "http.response.start", "status": status, "headers": JSON + (headers or [])}
+            )
+            await send({"type": "http.response.body", "body": body})
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_large(limit)
+        chunks, total = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnected
+            body = message.get("body", b"")
+            total += len(body)
+            if total > limit:
+                raise too_large(limit)
+            chunks.append(body)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    # -- routes --------------------------------------------------------------------------
+
+    async def _health(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
+        ok = not self.llm.errored and not self.generation.draining
+        await self._respond(send, 200 if ok else 503, b"{}", extra)
+
+    async def _version(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
+        await self._respond(send, 200, version_response(__version__), extra)
+
+    async def _models(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
+        body = models_response(
+            [self.config.served_model_name], max_model_len=self.llm.max_model_len
+        )
+        await self._respond(send, 200, body, extra)
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
+        if not self.llm.errored:
+            with trio.move_on_after(2):
+                stats = await self.llm.utility("stats")
+                if isinstance(stats, dict):
+                    self.metrics.set_engine_stats(stats)
+        with trio.move_on_after(self.config.write_timeout):
+            headers = [(b"content-type", self.metrics.content_type.encode()), *extra]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": self.metrics.render()})
+
+    async def _tokenize(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
+        request = decode_request(await self._read_body(scope, receive), TokenizeRequest)
+        tokenizer = self.llm.tokenizer
+        if request.messages is not None:  # a chat template carries its own special tokens
+            tokens = self.llm.apply_chat_template(chat_template_messages(request.messages))
+        else:
+            special = request.add_special_tokens is not False
+            tokens = tokenizer(request.prompt, add_special_tokens=special)["input_ids"]
+        body = tokenize_response(tokens, max_model_len=self.llm.max_model_len)
+        await self._respond(send, 200, body, extra)
+
+    async def _detokenize(
+        self, scope: Scope, receive: Receive, send: Send, extra: list[Any]
+    ) -> None:
+        request = decode_request(await self._read_body(scope, receive), DetokenizeRequest)
+        vocab = self.llm.ready.vocab_size
+        bad = [t for t in request.tokens if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(
+                400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens"
+            )
+        text = self.llm.tokenizer.decode(request.tokens)
+        await self._respond(send, 200, detokenize_response(text), extra)
+
+    async def _completions(
+        self, scope: Scope, receive: Receive, send: Send, extra: list[Any]
+    ) -> None:
+        request = decode_request(await self._read_body(scope, receive), CompletionRequest)
+        self._admit(request.model)
+        await self.generation.completions(request, receive, send, extra)
+
+    async def _chat(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
+        request = decode_request(await self._read_body(scope, receive), ChatCompletionRequest)
+        self._admit(request.model)
+        await self.generation.chat(request, receive, send, extra)
+
+    def _admit(self, model: str | None) -> None:
+        if model is not None and model != self.config.served_model_name:
+            raise not_found(
+                f"model {model!r} (this server serves {self.config.served_model_name!r})"
+            )
+        if self.generation.draining:
+            raise RequestError(
+                503, "the server is shutting down", "server_error", headers={"Retry-After": "5"}
+            )
+        if self.generation.inflight >= self.config.max_queued_requests:
+            raise overloaded(retry_after=1)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return bytes(value)
+    return None
+
+
+def _request_id_header(scope: Scope) -> list[tuple[bytes, bytes]]:
+    value = _header(scope, b"x-request-id")
+    return [(b"x-request-id", value)] if value is not None else []
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

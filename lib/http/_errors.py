@@ -1,0 +1,122 @@
+"""The HTTP server's one error type and OpenAI's error body.
+
+Every failure the server answers with a status other than 200 is a `RequestError`, raised as
+deep as the cause is known (decoding, validation, routing, admission) and turned into a body
+in one place. The body is OpenAI's: `{"error": {"message", "type", "param", "code"}}`, so the
+official SDKs raise their typed exceptions (`BadRequestError`, `NotFoundError`, ...) with our
+message, and their retry logic honours our `Retry-After`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import msgspec
+
+# OpenAI's `type` by status; statuses not listed are server errors.
+ERROR_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_exceeded",
+}
+SERVER_ERROR = "server_error"
+
+
+class RequestError(Exception):
+    """A request the server answers with an error status and OpenAI's error body.
+
+    Attributes:
+        status: the HTTP status (400 for the caller's mistakes).
+        message: what went wrong and what to do; it names the field, the value and the limit.
+        type: OpenAI's error type ("invalid_request_error", ...), derived from the status
+            unless given.
+        param: the request field at fault, or None.
+        code: a machine-readable code ("model_not_found", ...), or None.
+        headers: extra response headers (`Retry-After`, `WWW-Authenticate`).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str | None = None,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or ERROR_TYPES.get(status, SERVER_ERROR)
+        self.param = param
+        self.code = code
+        self.headers: dict[str, str] = dict(headers or {})
+
+    def __repr__(self) -> str:
+        return f"RequestError({self.status}, {self.message!r}, param={self.param!r})"
+
+
+class _ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class _ErrorBody(msgspec.Struct):
+    error: _ErrorInfo
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def error_body(err: RequestError) -> bytes:
+    """OpenAI's JSON error body for `err` (null `param` and `code` included, as OpenAI)."""
+    return _encoder.encode(_ErrorBody(_ErrorInfo(err.message, err.type, err.param, err.code)))
+
+
+def not_found(what: str, *, param: str | None = None, code: str | None = None) -> RequestError:
+    """404: `what` (e.g. "the model 'gpt-4'") does not exist."""
+    return RequestError(404, f"{what} does not exist", param=param, code=code)
+
+
+def too_large(limit: int, size: int | None = None) -> RequestError:
+    """413: the request body is over `limit` bytes (`size`, if known, is how big it is)."""
+    got = f" (got {size} bytes)" if size is not None else ""
+    return RequestError(
+        413,
+        f"the request body is larger than the limit of {limit} bytes{got}; send a smaller one",
+        code="request_too_large",
+    )
+
+
+def unauthorized() -> RequestError:
+    """401: the API key is missing or wrong."""
+    return RequestError(
+        401,
+        "the API key is missing or invalid: send it as the header 'Authorization: Bearer <key>'",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+def overloaded(retry_after: float) -> RequestError:
+    """429: the server has no room for another request now; retry after `retry_after` s.
+
+    `Retry-After` is whole seconds (HTTP allows no fraction), rounded up and at least 1.
+    """
+    seconds = max(1, math.ceil(retry_after))
+    return RequestError(
+        429,
+        f"the server is overloaded: too many requests are waiting; retry after {seconds} s",
+        code="overloaded",
+        headers={"Retry-After": str(seconds)},
+    )

@@ -1,0 +1,302 @@
+"""Completions and chat completions: non-streaming, and streaming as server-sent events.
+
+Each request runs in a cancel scope that a disconnect watcher (a task on ASGI `receive()`)
+cancels when the client goes away: leaving `AsyncLLM.generate` then aborts the request in the
+engine. A graceful shutdown gives in-flight requests `shutdown_timeout` seconds, then cancels
+them too; their streams end with an error event and `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from ..engine import AsyncLLM, EngineDeadError, Output, SamplingParams
+from . import _schemas as S
+from ._errors import RequestError, error_body
+from ._metrics import Metrics
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+JSON = [(b"content-type", b"application/json")]
+
+
+class Generation:
+    """Runs generation requests for the app; counts them and drains them on shutdown."""
+
+    def __init__(self, llm: AsyncLLM, config: Any, metrics: Metrics) -> None:
+        self.llm = llm
+        self.config = config
+        self.metrics = metrics
+        self.inflight = 0
+        self.draining = False
+        self._scopes: set[trio.CancelScope] = set()
+
+    def start_draining(self, timeout: float) -> None:
+        """Refuse new requests; cancel the in-flight ones after `timeout` seconds."""
+        self.draining = True
+        for scope in self._scopes:
+            scope.deadline = min(scope.deadline, trio.current_time() + timeout)
+        self._drain_deadline = trio.current_time() + timeout
+
+    # -- entry points ----------------------------------------------------------------------
+
+    async def completions(
+        self, request: S.CompletionRequest, receive: Receive, send: Send, extra: list[Any]
+    ) -> None:
+        params = S.to_sampling_params(request)
+        prompts = request.prompts
+        if request.stream:
+            await self._stream(prompts, params, request, "completion", receive, send, extra)
+        else:
+            await self._whole(prompts, params, request, "completion", receive, send, extra)
+
+    async def chat(
+        self, request: S.ChatCompletionRequest, receive: Receive, send: Send, extra: list[Any]
+    ) -> None:
+        params = S.to_sampling_params(request)
+        prompt: list[int] = self.llm.apply_chat_template(S.chat_template_messages(request.messages))
+        if request.stream:
+            await self._stream([prompt], params, request, "chat", receive, send, extra)
+        else:
+            await self._whole([prompt], params, request, "chat", receive, send, extra)
+
+    # -- non-streaming -------------------------------------------------------------------
+
+    async def _whole(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        request: Any,
+        kind: str,
+        receive: Receive,
+        send: Send,
+        extra: list[Any],
+    ) -> None:
+        results: list[list[Output]] = [[] for _ in prompts]
+        started = time.monotonic()
+        async with self._running(receive) as scope:
+            await _run_all(
+                [
+                    _bind(self._collect, prompt, params, results, i, started)
+                    for i, prompt in enumerate(prompts)
+                ]
+            )
+        if scope.cancelled_caught:
+            if self.draining:
+                raise RequestError(503, "the server is shutting down", "server_error")
+            return  # the client went away: nobody to answer
+        outputs = [o for per_prompt in results for o in per_prompt]
+        if kind == "completion":
+            body = S.completion_response(
+                S.ResponseMeta.completion(self.config.served_model_name),
+                outputs,
+                n=params.n,
+                token_text=self._token_text,
+                echo=self._echo(prompts, request),
+            )
+        else:
+            body = S.chat_completion_response(
+                S.ResponseMeta.chat(self.config.served_model_name),
+                outputs,
+                n=params.n,
+                token_text=self._token_text,
+            )
+        with trio.move_on_after(self.config.write_timeout):
+            await send({"type": "http.response.start", "status": 200, "headers": JSON + extra})
+            await send({"type": "http.response.body", "body": body})
+
+    async def _collect(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        results: list[list[Output]],
+        index: int,
+        started: float,
+    ) -> None:
+        outputs = await self.llm.complete(prompt, params)
+        base = index * params.n
+        for output in outputs:
+            output.index += base
+            self._observe(output, started)
+        results[index] = outputs
+
+    # -- streaming -----------------------------------------------------------------------
+
+    async def _stream(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        request: Any,
+        kind: str,
+        receive: Receive,
+        send: Send,
+        extra: list[Any],
+    ) -> None:
+        model = self.config.served_model_name
+        chunker = S.StreamChunker(
+            S.ResponseMeta.completion(model)
+            if kind == "completion"
+            else S.ResponseMeta.chat(model),
+            chat=kind == "chat",
+            n=params.n,
+            token_text=self._token_text,
+            include_usage=request.include_usage,
+            echo=self._echo(prompts, request) if kind == "completion" else None,
+        )
+        lock = trio.Lock()
+        started = time.monotonic()
+
+        async def write(data: bytes) -> None:
+            async with lock:
+                with trio.fail_after(self.config.write_timeout):
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        # The validation is done: from here on every failure is an event in the stream.
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + extra})
+        error: RequestError | None = None
+        try:
+            async with self._running(receive) as scope:
+                await _run_all(
+                    [
+                        _bind(
+                            self._stream_one, prompt, params, i * params.n, chunker, write, started
+                        )
+                        for i, prompt in enumerate(prompts)
+                    ]
+                )
+            if scope.cancelled_caught and self.draining:
+                error = RequestError(503, "the server is shutting down", "server_error")
+            elif scope.cancelled_caught:
+                return  # the client went away
+        except EngineDeadError as exc:
+            error = RequestError(500, str(exc), "server_error")
+        except trio.TooSlowError:
+            return  # the client stopped reading: give up on it
+        with trio.move_on_after(self.config.write_timeout):
+            if error is not None:
+                await write(S.sse(error_body(error)))
+            elif request.include_usage:
+                await write(S.sse(chunker.usage_chunk()))
+            await send({"type": "http.response.body", "body": S.SSE_DONE, "more_body": False})
+
+    async def _stream_one(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        base: int,
+        chunker: S.StreamChunker,
+        write: Callable[[bytes], Awaitable[None]],
+        started: float,
+    ) -> None:
+        async with self.llm.generate(prompt, params) as stream:
+            async for output in stream:
+                output.index += base
+                for data in chunker.chunks(output):
+                    await write(S.sse(data))
+                if output.finished:
+                    self._observe(output, started)
+
+    # -- shared --------------------------------------------------------------------------
+
+    def _running(self, receive: Receive) -> Any:
+        return _Running(self, receive)
+
+    def _echo(self, prompts: list[str | list[int]], request: Any) -> list[S.EchoPrompt] | None:
+        if not getattr(request, "echo", False):
+            return None
+        tokenizer = self.llm.tokenizer
+        echoes = []
+        for prompt in prompts:
+            ids = tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+            text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+            echoes.append(S.EchoPrompt(text, ids))
+        return echoes
+
+    def _token_text(self, token_id: int) -> str:
+        text: str = self.llm.tokenizer.convert_ids_to_tokens(token_id)
+        return text
+
+    def _observe(self, output: Output, started: float) -> None:
+        now = time.monotonic()
+        self.metrics.observe_request(
+            ttft=None,
+            itl_list=[],
+            e2e=now - started,
+            prompt_tokens=output.num_prompt_tokens,
+            generation_tokens=output.num_output_tokens,
+            finished_reason=output.finish_reason or "abort",
+        )
+
+
+class _Running:
+    """Counts the request in flight and cancels it when the client disconnects."""
+
+    def __init__(self, generation: Generation, receive: Receive) -> None:
+        self.generation = generation
+        self.receive = receive
+        self.scope = trio.CancelScope()
+        self._nursery_cm: Any = None
+
+    async def __aenter__(self) -> trio.CancelScope:
+        generation = self.generation
+        generation.inflight += 1
+        generation._scopes.add(self.scope)
+        if generation.draining:
+            self.scope.deadline = generation._drain_deadline
+        self._nursery_cm = trio.open_nursery()
+        nursery = await self._nursery_cm.__aenter__()
+        nursery.start_soon(self._watch)
+        self._watcher = nursery.cancel_scope
+        self.scope.__enter__()
+        return self.scope
+
+    async def __aexit__(self, *exc_info: Any) -> bool:
+        try:
+            suppressed = self.scope.__exit__(*exc_info)
+        finally:
+            self._watcher.cancel()
+            await self._nursery_cm.__aexit__(None, None, None)
+            self.generation.inflight -= 1
+            self.generation._scopes.discard(self.scope)
+        return bool(suppressed)
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                self.scope.cancel()
+                return
+
+
+def _bind(fn: Callable[..., Awaitable[None]], *args: Any) -> Callable[[], Awaitable[None]]:
+    async def call() -> None:
+        await fn(*args)
+
+    return call
+
+
+async def _run_all(jobs: list[Callable[[], Awaitable[None]]]) -> None:
+    """Run `jobs` concurrently; raise the first real error as itself (not as a group)."""
+    if len(jobs) == 1:
+        await jobs[0]()
+        return
+    try:
+        async with trio.open_nursery() as nursery:
+            for job in jobs:
+                nursery.start_soon(job)
+    except BaseExceptionGroup as group:
+        leaves = _leaves(group)
+        real = [e for e in leaves if not isinstance(e, trio.Cancelled)]
+        raise (real or leaves)[0] from None
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out

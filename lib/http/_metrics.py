@@ -1,0 +1,185 @@
+"""Prometheus metrics of the server, named as vLLM's (`vllm:` becomes `trillm:`).
+
+The metrics live in a registry of their own, not prometheus_client's global one, so two
+servers in one process (tests) never collide and `/metrics` shows nothing else. Counters are
+created without the `_total` suffix, which prometheus_client appends on exposure:
+`trillm:prompt_tokens` is scraped as `trillm:prompt_tokens_total`, as vLLM's are.
+
+Per-request figures come from the frontend (`observe_request`); queue and cache figures come
+from the engine's `stats` utility (`set_engine_stats`), whose prefix-cache counters are
+cumulative in the engine: we add the difference since the last call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards built for vLLM read ours.
+TTFT_BUCKETS = (
+    *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75),
+    *(1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
+)
+ITL_BUCKETS = (
+    *(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75),
+    *(1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
+)
+REQUEST_LATENCY_BUCKETS = (
+    *(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0),
+    *(120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
+)
+
+_LABELS = ("model_name",)
+
+
+class Metrics:
+    """The server's metrics for one model; `render()` is the body of `/metrics`."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.content_type = CONTENT_TYPE
+        self.model_name = model_name
+        self._last_engine_counters: dict[str, int] = {}
+        r = self.registry
+
+        def histogram(name: str, doc: str, buckets: Iterable[float]) -> Histogram:
+            return Histogram(name, doc, _LABELS, registry=r, buckets=tuple(buckets))
+
+        self.time_to_first_token = histogram(
+            "trillm:time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "trillm:inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS
+        )
+        self.e2e_request_latency = histogram(
+            "trillm:e2e_request_latency_seconds",
+            "End-to-end request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_queue_time = histogram(
+            "trillm:request_queue_time_seconds",
+            "Time requests spent waiting to be scheduled, in seconds.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.num_requests_running = Gauge(
+            "trillm:num_requests_running", "Requests being generated.", _LABELS, registry=r
+        )
+        self.num_requests_waiting = Gauge(
+            "trillm:num_requests_waiting", "Requests waiting to be scheduled.", _LABELS, registry=r
+        )
+        self.kv_cache_usage = Gauge(
+            "trillm:kv_cache_usage_perc",
+            "KV-cache usage; 1 means 100 percent.",
+            _LABELS,
+            registry=r,
+        )
+        self.prefix_cache_queries = Counter(
+            "trillm:prefix_cache_queries", "Prefix-cache queries, in tokens.", _LABELS, registry=r
+        )
+        self.prefix_cache_hits = Counter(
+            "trillm:prefix_cache_hits", "Prefix-cache hits, in tokens.", _LABELS, registry=r
+        )
+        self.prompt_tokens = Counter(
+            "trillm:prompt_tokens", "Prefill tokens processed.", _LABELS, registry=r
+        )
+        self.generation_tokens = Counter(
+            "trillm:generation_tokens", "Generation tokens produced.", _LABELS, registry=r
+        )
+        self.request_success = Counter(
+            "trillm:request_success",
+            "Finished requests, by finish reason.",
+            (*_LABELS, "finished_reason"),
+            registry=r,
+        )
+        # Children made now, so every series is scraped (at zero) before its first event.
+        for metric in self._per_model:
+            metric.labels(model_name)
+        for reason in FINISHED_REASONS:
+            self.request_success.labels(model_name, reason)
+
+    @property
+    def _per_model(self) -> tuple[Histogram | Gauge | Counter, ...]:
+        return (
+            self.time_to_first_token,
+            self.inter_token_latency,
+            self.e2e_request_latency,
+            self.request_queue_time,
+            self.num_requests_running,
+            self.num_requests_waiting,
+            self.kv_cache_usage,
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
+            self.prompt_tokens,
+            self.generation_tokens,
+        )
+
+    def observe_request(
+        self,
+        ttft: float | None,
+        itl_list: Iterable[float],
+        e2e: float,
+        prompt_tokens: int,
+        generation_tokens: int,
+        finished_reason: str,
+        *,
+        queue_time: float | None = None,
+    ) -> None:
+        """Record one finished request.
+
+        Args:
+            ttft: seconds from arrival to the first output token; None if none came (aborted).
+            itl_list: seconds between consecutive output tokens.
+            e2e: seconds from arrival to the end.
+            prompt_tokens: prompt tokens (times n when the prompt was run n times).
+            generation_tokens: output tokens over all choices.
+            finished_reason: "stop", "length", "abort" or "error".
+            queue_time: seconds waiting before the first schedule, when known.
+        """
+        name = self.model_name
+        if ttft is not None:
+            self.time_to_first_token.labels(name).observe(ttft)
+        itl = self.inter_token_latency.labels(name)
+        for seconds in itl_list:
+            itl.observe(seconds)
+        self.e2e_request_latency.labels(name).observe(e2e)
+        if queue_time is not None:
+            self.request_queue_time.labels(name).observe(queue_time)
+        self.prompt_tokens.labels(name).inc(prompt_tokens)
+        self.generation_tokens.labels(name).inc(generation_tokens)
+        self.request_success.labels(name, finished_reason).inc()
+
+    def set_engine_stats(self, stats: Mapping[str, object]) -> None:
+        """Update from the engine's `stats` utility (its `SchedulerStats` as a dict).
+
+        Keys used: num_running, num_waiting, kv_usage (a fraction), prefix_cache_queries and
+        prefix_cache_hits (cumulative token counts; a count lower than the last one means a
+        new engine, counted from zero). Missing keys leave their metric as it is.
+        """
+        name = self.model_name
+        for key, gauge in (
+            ("num_running", self.num_requests_running),
+            ("num_waiting", self.num_requests_waiting),
+            ("kv_usage", self.kv_cache_usage),
+        ):
+            value = stats.get(key)
+            if isinstance(value, int | float):
+                gauge.labels(name).set(value)
+        for key, counter in (
+            ("prefix_cache_queries", self.prefix_cache_queries),
+            ("prefix_cache_hits", self.prefix_cache_hits),
+        ):
+            total = stats.get(key)
+            if not isinstance(total, int):
+                continue
+            last = self._last_engine_counters.get(key, 0)
+            counter.labels(name).inc(total - last if total >= last else total)
+            self._last_engine_counters[key] = total
+
+    def render(self) -> bytes:
+        """The exposition text of every metric (serve with `CONTENT_TYPE`)."""
+        return prometheus_client.generate_latest(self.registry)

@@ -1,0 +1,85 @@
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ..gpu.conftest import save_tiny
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen[bytes]
+    base_url: str
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+
+def start_server(model: Path, *args: str) -> Server:
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "trillm.cli",
+            "serve",
+            str(model),
+            "--port",
+            str(port),
+            "--served-model-name",
+            "tiny",
+            "--kv-cache-memory-bytes",
+            str(1 << 25),
+            "--dtype",
+            "float32",
+            *args,
+        ],
+        env=dict(os.environ),
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert process.poll() is None, "the server exited during start-up"
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return Server(process, base)
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the server did not become healthy"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("http-tiny"), "llama")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path) -> Iterator[Server]:
+    server = start_server(tiny_model, "--max-queued-requests", "64")
+    try:
+        yield server
+    finally:
+        server.stop()
