@@ -167,7 +167,9 @@ def test_a_client_disconnect_aborts_the_request(server: Server) -> None:
     deadline = time.monotonic() + 5
     while True:
         metrics = httpx.get(f"{server.base_url}/metrics").text
-        running = [l for l in metrics.splitlines() if l.startswith("trillm:num_requests_running")]
+        running = [
+            line for line in metrics.splitlines() if line.startswith("trillm:num_requests_running")
+        ]
         if running and float(running[0].split()[-1]) == 0:
             break
         assert time.monotonic() < deadline, running
@@ -201,6 +203,6 @@ def test_sigterm_drains_open_streams_then_exits_0(tiny_model: Path) -> None:
     server.process.send_signal(signal.SIGTERM)
     thread.join(60)
     assert server.process.wait(timeout=60) == 0
-    data = [json.loads(l[6:]) for l in lines if l.startswith("data: {")]
+    data = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     assert lines[-1] == "data: [DONE]" or lines[-2] == "data: [DONE]"
     assert data[-1]["choices"][0]["finish_reason"] == "length"
