@@ -1,0 +1,293 @@
+"""OpenAI's request bodies as msgspec Structs, and their mapping to `SamplingParams`.
+
+Requests decode straight into Structs with decoders built once; unknown fields are ignored,
+as OpenAI ignores them, and every field OpenAI documents as nullable accepts `null` (meaning
+its default). A body that does not decode is a 400 `RequestError` naming the field. Range
+checks are the engine's (`SamplingParams`); `to_sampling_params` only renames the field in
+its message to the one the client sent (`top_logprobs`, `max_completion_tokens`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Annotated, Any, TypeVar, cast
+
+import msgspec
+
+from ..engine import SamplingParams, SamplingParamsError
+from ._errors import RequestError
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+class StreamOptions(msgspec.Struct, frozen=True):
+    include_usage: bool | None = False
+
+
+class ContentPart(msgspec.Struct, frozen=True):
+    """A part of a message's content; only text parts are served (the engine reads text)."""
+
+    type: str
+    text: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.type != "text":
+            raise RequestError(
+                400,
+                f"content parts of type {self.type!r} are not supported: send 'text' parts",
+                param="messages",
+            )
+        if self.text is None:
+            raise RequestError(400, "a content part of type 'text' needs 'text'", param="messages")
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str
+    content: str | list[ContentPart] | None = None  # null: an assistant turn of tool calls
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The content as one string; text parts are joined by newlines, as vLLM joins them."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "\n".join(part.text or "" for part in self.content)
+
+
+def chat_template_messages(messages: Iterable[ChatMessage]) -> list[dict[str, Any]]:
+    """`messages` as the dicts a Hugging Face chat template reads."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        entry = {"role": m.role, "content": m.text}
+        out.append(entry if m.name is None else {**entry, "name": m.name})
+    return out
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """The fields completions and chat share; null means the default shown."""
+
+    model: str | None = None
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    repetition_penalty: float | None = None  # vLLM's extensions from here: None is off
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = 0
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None  # token ids as strings, as JSON keys must be
+    user: str | None = None
+    ignore_eos: bool | None = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+
+    def __post_init__(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise RequestError(
+                400, "stream_options is only allowed when stream is true", param="stream_options"
+            )
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    """`POST /v1/completions`. `logprobs` is a top count; `echo` prepends the prompt."""
+
+    prompt: str | list[str | int | list[int]]  # one array-like type per union, for msgspec
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _ = self.prompts
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of a batch: one text or one token-id list per prompt.
+
+        Raises:
+            RequestError: the prompt is an empty list, or a list that mixes kinds.
+        """
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and all(isinstance(p, int) for p in prompt):
+            return [cast(list[int], prompt)]
+        if prompt and all(isinstance(p, str) for p in prompt):
+            return cast(list[str | list[int]], prompt)
+        if prompt and all(isinstance(p, list) and p for p in prompt):
+            return cast(list[str | list[int]], prompt)
+        raise RequestError(
+            400,
+            "prompt must be a string, a list of strings, a non-empty list of token ids, or a "
+            "list of non-empty token-id lists",
+            param="prompt",
+        )
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    """`POST /v1/chat/completions`. `max_completion_tokens` wins over `max_tokens`."""
+
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    max_tokens: int | None = None  # None: up to the model's maximum length
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """`POST /tokenize`: a prompt, or messages under the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestError(400, "send either prompt or messages (exactly one)", param="prompt")
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    """`POST /detokenize`."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+_decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {
+    kind: msgspec.json.Decoder(kind)
+    for kind in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+}
+_AT = re.compile(r"(?P<reason>.*?)(?: - at `\$\.?(?P<path>[^`]*)`)?", re.DOTALL)
+_MISSING = re.compile(r"Object missing required field `(?P<field>[^`]*)`")
+
+
+def decode_request(body: bytes, kind: type[S]) -> S:
+    """Decode a request body into `kind`.
+
+    Raises:
+        RequestError: 400: the body is not JSON, or a field is missing or of the wrong type
+            (`param` names it, e.g. "max_tokens" or "messages[0].role").
+    """
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
+    try:
+        return cast(S, decoder.decode(body))
+    except msgspec.ValidationError as err:  # (a DecodeError: catch it first)
+        raise _validation_error(str(err)) from None
+    except msgspec.DecodeError as err:
+        raise RequestError(400, f"the body is not valid JSON: {err}") from None
+
+
+def _validation_error(text: str) -> RequestError:
+    match = _AT.fullmatch(text)
+    reason, path = (match["reason"], match["path"] or "") if match else (text, "")
+    path = path.replace("[...]", "")  # a dict's values: name the dict
+    missing = _MISSING.fullmatch(reason)
+    if missing is not None:
+        field = f"{path}.{missing['field']}" if path else missing["field"]
+        return RequestError(400, f"{field} is required", param=field)
+    reason = reason[:1].lower() + reason[1:]
+    if path:
+        return RequestError(400, f"invalid {path}: {reason}", param=path)
+    return RequestError(400, f"invalid request body: {reason}")
+
+
+def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    """The engine's validated parameters for `request`.
+
+    Chat: `logprobs: true` asks for the sampled token's logprob plus `top_logprobs` (default
+    0) alternatives. Completions: `logprobs` is the top count; with `echo`, the prompt's
+    logprobs are asked for too.
+
+    Raises:
+        RequestError: 400 with `param` the field the client sent (a value out of range, a
+            logit_bias key that is not an integer, top_logprobs without logprobs).
+    """
+    renames: dict[str, str]
+    if isinstance(request, ChatCompletionRequest):
+        max_tokens, renames = request.max_tokens, {"logprobs": "top_logprobs"}
+        if request.max_completion_tokens is not None:
+            max_tokens = request.max_completion_tokens
+            renames["max_tokens"] = "max_completion_tokens"
+        if request.top_logprobs and not request.logprobs:
+            raise RequestError(
+                400,
+                f"top_logprobs is {request.top_logprobs} but logprobs is not true: set logprobs "
+                f"to true to get top logprobs",
+                param="top_logprobs",
+            )
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        prompt_logprobs = None
+    else:
+        max_tokens, renames = request.max_tokens, {"prompt_logprobs": "logprobs"}
+        logprobs = request.logprobs
+        prompt_logprobs = logprobs if request.echo else None
+    d = _DEFAULTS
+    try:
+        return SamplingParams(
+            n=_or(request.n, d.n),
+            max_tokens=max_tokens,
+            min_tokens=_or(request.min_tokens, d.min_tokens),
+            temperature=_or(request.temperature, d.temperature),
+            top_p=_or(request.top_p, d.top_p),
+            top_k=_or(request.top_k, d.top_k),
+            min_p=_or(request.min_p, d.min_p),
+            presence_penalty=_or(request.presence_penalty, d.presence_penalty),
+            frequency_penalty=_or(request.frequency_penalty, d.frequency_penalty),
+            repetition_penalty=_or(request.repetition_penalty, d.repetition_penalty),
+            logit_bias=_logit_bias(request.logit_bias),
+            seed=request.seed,
+            stop=request.stop,
+            stop_token_ids=request.stop_token_ids,
+            ignore_eos=_or(request.ignore_eos, d.ignore_eos),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=_or(request.skip_special_tokens, d.skip_special_tokens),
+            include_stop_str_in_output=_or(
+                request.include_stop_str_in_output, d.include_stop_str_in_output
+            ),
+        )
+    except SamplingParamsError as err:
+        param, message = renames.get(err.field, err.field), str(err)
+        if param != err.field and message.startswith(err.field):
+            message = param + message[len(err.field) :]
+        raise RequestError(400, message, param=param) from err
+
+
+T = TypeVar("T")
+_DEFAULTS = SamplingParams()  # for fields sent as null
+
+
+def _or(value: T | None, default: T) -> T:
+    return default if value is None else value
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise RequestError(
+                400,
+                f"logit_bias keys must be token ids (integers), got {key!r}",
+                param="logit_bias",
+            ) from None
+    return out

@@ -1,0 +1,395 @@
+"""OpenAI's response bodies as msgspec Structs encoded by one encoder, in OpenAI's exact
+shapes (checked in the tests with the official SDK's models), plus vLLM's `stop_reason` on
+each choice. Streaming's per-response state is `_stream_chunker.StreamChunker`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+
+import msgspec
+
+from ..engine import Output, TokenLogprob
+
+TokenText = Callable[[int], str]  # a token id's text, for logprobs (the tokenizer's)
+
+SSE_DONE = b"data: [DONE]\n\n"
+MIN_LOGPROB = -9999.0  # vLLM's floor: JSON has no -inf
+
+# -- responses ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResponseMeta:
+    """What every chunk of one response repeats: its id, the model, the creation time."""
+
+    id: str
+    model: str
+    created: int
+
+    @classmethod
+    def completion(cls, model: str) -> ResponseMeta:
+        return cls(f"cmpl-{uuid.uuid4().hex}", model, int(time.time()))
+
+    @classmethod
+    def chat(cls, model: str) -> ResponseMeta:
+        return cls(f"chatcmpl-{uuid.uuid4().hex}", model, int(time.time()))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EchoPrompt:
+    """A completion's prompt, prepended to its text (and logprobs) when `echo` is set."""
+
+    text: str
+    token_ids: Sequence[int]
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    total = prompt_tokens + completion_tokens
+    return Usage(prompt_tokens, completion_tokens, total, PromptTokensDetails(cached_tokens))
+
+
+def usage_of(outputs: Iterable[Output], *, n: int) -> Usage:
+    """The usage of the (last) outputs of every choice; choice i is of prompt i // n.
+
+    A prompt counts once however many choices it has, as OpenAI counts it; its cached
+    tokens are those of its first choice.
+    """
+    prompts: dict[int, Output] = {}
+    completion_tokens = 0
+    for output in outputs:
+        completion_tokens += output.num_output_tokens
+        first = prompts.setdefault(output.index // n, output)
+        if output.index < first.index:
+            prompts[output.index // n] = output
+    prompt_tokens = sum(o.num_prompt_tokens for o in prompts.values())
+    return usage(
+        prompt_tokens, completion_tokens, sum(o.num_cached_tokens for o in prompts.values())
+    )
+
+
+class CompletionLogprobs(msgspec.Struct):
+    """The legacy completions' logprobs: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]  # None: an echoed first prompt token has no logprob
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+class Completion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | msgspec.UnsetType | None = msgspec.UNSET
+    object: str = "text_completion"  # chunks too, as OpenAI
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob]
+
+
+class ChatResponseMessage(msgspec.Struct):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+class ChatDelta(msgspec.Struct):
+    role: str | msgspec.UnsetType = msgspec.UNSET
+    content: str | msgspec.UnsetType = msgspec.UNSET
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | msgspec.UnsetType | None = msgspec.UNSET  # null until the usage chunk
+    object: str = "chat.completion.chunk"
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def sse(data: bytes) -> bytes:
+    """One server-sent event carrying `data` (a JSON document: it has no newline)."""
+    return b"data: " + data + b"\n\n"
+
+
+def completion_response(
+    meta: ResponseMeta,
+    outputs: Sequence[Output],
+    *,
+    n: int,
+    token_text: TokenText,
+    echo: Sequence[EchoPrompt] | None = None,
+) -> bytes:
+    """A `text_completion`: one choice per output (index `output.index`), and the usage.
+
+    Args:
+        outputs: every choice's merged output; for a batch of prompts, renumbered so that
+            choice `i` is of prompt `i // n`.
+        n: choices per prompt.
+        echo: the prompts (in batch order), to prepend when the request set `echo`.
+    """
+    choices = [
+        _completion_choice(o, token_text, echo[o.index // n] if echo else None, 0) for o in outputs
+    ]
+    body = Completion(meta.id, meta.created, meta.model, choices, usage_of(outputs, n=n))
+    return _encoder.encode(body)
+
+
+def completion_chunk(
+    meta: ResponseMeta,
+    output: Output,
+    *,
+    token_text: TokenText,
+    text_offset: int = 0,
+    echo: EchoPrompt | None = None,
+    include_usage: bool = False,
+) -> bytes:
+    """One streamed `text_completion` chunk with the new text of one choice.
+
+    Args:
+        text_offset: the length of the choice's text streamed so far (logprobs' offsets
+            continue from it).
+        echo: the prompt, on the choice's first chunk only, when the request set `echo`.
+        include_usage: the stream ends with a usage chunk, so this one says `"usage": null`.
+    """
+    choice = _completion_choice(output, token_text, echo, text_offset)
+    usage_field: Usage | msgspec.UnsetType | None = None if include_usage else msgspec.UNSET
+    return _encoder.encode(Completion(meta.id, meta.created, meta.model, [choice], usage_field))
+
+
+def completion_usage_chunk(meta: ResponseMeta, usage: Usage) -> bytes:
+    """The last chunk of a stream with `include_usage`: no choices, the usage."""
+    return _encoder.encode(Completion(meta.id, meta.created, meta.model, [], usage))
+
+
+def chat_completion_response(
+    meta: ResponseMeta, outputs: Sequence[Output], *, n: int, token_text: TokenText
+) -> bytes:
+    """A `chat.completion`: one assistant message per output (index `output.index`)."""
+    choices = [
+        ChatChoice(
+            o.index,
+            ChatResponseMessage(o.text),
+            _chat_logprobs(o.logprobs, token_text),
+            o.finish_reason,
+            o.stop_reason,
+        )
+        for o in outputs
+    ]
+    body = ChatCompletion(meta.id, meta.created, meta.model, choices, usage_of(outputs, n=n))
+    return _encoder.encode(body)
+
+
+def chat_completion_chunk(
+    meta: ResponseMeta,
+    output: Output,
+    *,
+    token_text: TokenText,
+    first: bool = False,
+    include_usage: bool = False,
+) -> bytes:
+    """One `chat.completion.chunk` with the new text of one choice.
+
+    Args:
+        first: the choice's first chunk: its delta carries `role: "assistant"` and `content`
+            even if empty (OpenAI's first chunk is `{"role": "assistant", "content": ""}`).
+            Later deltas without text are `{}`.
+        include_usage: the stream ends with a usage chunk, so this one says `"usage": null`.
+    """
+    delta = ChatDelta(
+        role="assistant" if first else msgspec.UNSET,
+        content=output.text if output.text or first else msgspec.UNSET,
+    )
+    choice = ChatChunkChoice(
+        output.index,
+        delta,
+        _chat_logprobs(output.logprobs, token_text),
+        output.finish_reason,
+        output.stop_reason,
+    )
+    usage_field: Usage | msgspec.UnsetType | None = None if include_usage else msgspec.UNSET
+    body = ChatCompletionChunk(meta.id, meta.created, meta.model, [choice], usage_field)
+    return _encoder.encode(body)
+
+
+def chat_usage_chunk(meta: ResponseMeta, usage: Usage) -> bytes:
+    """The last chunk of a stream with `include_usage`: no choices, the usage."""
+    return _encoder.encode(ChatCompletionChunk(meta.id, meta.created, meta.model, [], usage))
+
+
+def _completion_choice(
+    output: Output, token_text: TokenText, echo: EchoPrompt | None, offset: int
+) -> CompletionChoice:
+    entries: list[tuple[int, TokenLogprob | None]] = []
+    if echo is not None and output.prompt_logprobs is not None:
+        prompt_lps = output.prompt_logprobs
+        entries = [
+            (t, prompt_lps[i] if i < len(prompt_lps) else None)
+            for i, t in enumerate(echo.token_ids)
+        ]
+    if output.logprobs is not None:
+        entries += [(lp.token_id, lp) for lp in output.logprobs]
+    asked = output.logprobs is not None or bool(echo and output.prompt_logprobs)
+    return CompletionChoice(
+        output.index,
+        (echo.text if echo is not None else "") + output.text,
+        _completion_logprobs(entries, token_text, offset) if asked else None,
+        output.finish_reason,
+        output.stop_reason,
+    )
+
+
+def _completion_logprobs(
+    entries: Sequence[tuple[int, TokenLogprob | None]], token_text: TokenText, offset: int
+) -> CompletionLogprobs:
+    """The sampled token joins its top alternatives, as OpenAI's (up to logprobs + 1)."""
+    out = CompletionLogprobs([], [], [], [])
+    for token_id, lp in entries:
+        text = token_text(token_id)
+        out.tokens.append(text)
+        out.text_offset.append(offset)
+        offset += len(text)
+        if lp is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(max(lp.logprob, MIN_LOGPROB))
+        top = {token_text(t): max(v, MIN_LOGPROB) for t, v in lp.top}
+        top.setdefault(text, max(lp.logprob, MIN_LOGPROB))
+        out.top_logprobs.append(top)
+    return out
+
+
+def _chat_logprobs(
+    logprobs: Sequence[TokenLogprob] | None, token_text: TokenText
+) -> ChatLogprobs | None:
+    if logprobs is None:
+        return None
+    content = []
+    for lp in logprobs:
+        token = token_text(lp.token_id)
+        top = [_top_logprob(token_text(t), v) for t, v in lp.top]
+        content.append(
+            ChatTokenLogprob(token, max(lp.logprob, MIN_LOGPROB), list(token.encode()), top)
+        )
+    return ChatLogprobs(content)
+
+
+def _top_logprob(token: str, logprob: float) -> TopLogprob:
+    return TopLogprob(token, max(logprob, MIN_LOGPROB), list(token.encode()))
+
+
+# -- the small endpoints ------------------------------------------------------------------
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    max_model_len: int
+    object: str = "model"
+    owned_by: str = "trillm"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class TokenizeResponse(msgspec.Struct):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
+class VersionResponse(msgspec.Struct):
+    version: str
+
+
+def models_response(
+    model_ids: Iterable[str], *, max_model_len: int, created: int | None = None
+) -> bytes:
+    """`GET /v1/models`: every served model name (`created`: now unless given)."""
+    created = int(time.time()) if created is None else created
+    cards = [ModelCard(name, created, max_model_len) for name in model_ids]
+    return _encoder.encode(ModelList(cards))
+
+
+def tokenize_response(tokens: list[int], *, max_model_len: int) -> bytes:
+    return _encoder.encode(TokenizeResponse(tokens, len(tokens), max_model_len))
+
+
+def detokenize_response(prompt: str) -> bytes:
+    return _encoder.encode(DetokenizeResponse(prompt))
+
+
+def version_response(version: str) -> bytes:
+    return _encoder.encode(VersionResponse(version))

@@ -1,0 +1,125 @@
+"""Streaming: the chunks of one response, built from its outputs as they come."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from ..engine import Output, TokenLogprob
+from ._responses import (
+    EchoPrompt,
+    ResponseMeta,
+    TokenText,
+    Usage,
+    chat_completion_chunk,
+    chat_usage_chunk,
+    completion_chunk,
+    completion_usage_chunk,
+    usage_of,
+)
+
+
+class StreamChunker:
+    """The chunks of one streamed response, from its outputs as they come.
+
+    It holds what OpenAI's stream shape needs across chunks: whether a choice has started
+    (chat's role chunk, completions' echo), each choice's text offset (logprobs), and the
+    token counts for the final usage chunk. An echoed prompt waits for the choice's first
+    token, so that all of the prompt's logprobs (which arrive in pieces, one per prefill
+    chunk) are in its first chunk.
+    """
+
+    def __init__(
+        self,
+        meta: ResponseMeta,
+        *,
+        chat: bool,
+        n: int,
+        token_text: TokenText,
+        include_usage: bool = False,
+        echo: Sequence[EchoPrompt] | None = None,
+    ) -> None:
+        self.meta, self.chat, self.n = meta, chat, n
+        self.token_text = token_text
+        self.include_usage = include_usage
+        self.echo = echo
+        self._offsets: dict[int, int] = {}  # choice -> text streamed so far (started choices)
+        self._held: dict[int, list[TokenLogprob | None]] = {}  # echo: prompt logprobs so far
+        self._last: dict[int, Output] = {}  # choice -> a summary of its counts
+
+    def chunks(self, output: Output) -> list[bytes]:
+        """The chunks to send for `output`, in order; often one.
+
+        None if it has nothing to show (no text, no logprobs, not the end) or while an echo
+        waits for the first token; a chat choice's first output gets a role chunk before.
+        """
+        self._count(output)
+        index, started = output.index, output.index in self._offsets
+        if not (output.text or output.logprobs or output.finished):
+            if self.echo and not started and output.prompt_logprobs:
+                self._held.setdefault(index, []).extend(output.prompt_logprobs)
+            return []
+        offset = self._offsets.get(index, 0)
+        self._offsets[index] = offset + len(output.text)
+        usage, text_of = self.include_usage, self.token_text
+        if self.chat:
+            chunk = chat_completion_chunk(
+                self.meta, output, token_text=text_of, include_usage=usage
+            )
+            if started:
+                return [chunk]
+            role = chat_completion_chunk(
+                self.meta,
+                Output(index, "", []),
+                token_text=text_of,
+                first=True,
+                include_usage=usage,
+            )
+            return [role, chunk]
+        echo = None if started or not self.echo else self.echo[index // self.n]
+        if echo is not None:
+            self._offsets[index] += len(echo.text)
+            held = self._held.pop(index, [])
+            if held:
+                output = dataclasses.replace(
+                    output, prompt_logprobs=held + (output.prompt_logprobs or [])
+                )
+        chunk = completion_chunk(
+            self.meta,
+            output,
+            token_text=text_of,
+            text_offset=offset,
+            echo=echo,
+            include_usage=usage,
+        )
+        return [chunk]
+
+    def usage(self) -> Usage:
+        """The usage of everything streamed so far."""
+        return usage_of(self._last.values(), n=self.n)
+
+    def usage_chunk(self) -> bytes:
+        """The last chunk when the request set `stream_options.include_usage`."""
+        if self.chat:
+            return chat_usage_chunk(self.meta, self.usage())
+        return completion_usage_chunk(self.meta, self.usage())
+
+    def _count(self, output: Output) -> None:
+        last = self._last.get(output.index)
+        if last is None:
+            self._last[output.index] = Output(
+                output.index,
+                "",
+                [],
+                None,
+                None,
+                None,
+                output.num_prompt_tokens,
+                output.num_output_tokens,
+                output.num_cached_tokens,
+            )
+            return
+        # Counts are cumulative, but an output that carried only prompt logprobs has zeros.
+        last.num_prompt_tokens = max(last.num_prompt_tokens, output.num_prompt_tokens)
+        last.num_output_tokens = max(last.num_output_tokens, output.num_output_tokens)
+        last.num_cached_tokens = max(last.num_cached_tokens, output.num_cached_tokens)
