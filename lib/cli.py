@@ -91,6 +91,7 @@ def serve_main(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_queued_requests=args.max_queued_requests,
         shutdown_timeout=args.shutdown_timeout,
+        stream_interval=args.stream_interval,
     )
     trio.run(run_server, config)
     return 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 def is_dead(pid: int) -> bool:
     """Whether `pid` is gone or a zombie (killed, not yet reaped by its parent)."""
@@ -13,9 +15,12 @@ def is_dead(pid: int) -> bool:
 
 
 def children(pid: int) -> list[int]:
-    """The pids of `pid`'s children."""
+    """The pids of `pid`'s children (spawned by any of its threads)."""
+    found: list[int] = []
     try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(p) for p in f.read().split()]
     except FileNotFoundError:
-        return []
+        pass
+    return found

@@ -117,8 +117,8 @@ class AsyncLLM:
         """
         self._check_alive()
         params = params or SamplingParams()
-        token_ids = self._tokenize(prompt)
-        max_tokens = self._max_tokens(len(token_ids), params)
+        token_ids = self.tokenize(prompt)
+        max_tokens = self.check_length(len(token_ids), params)
         mailbox = Mailbox()
         states = [self._new_state(mailbox, i, token_ids, params) for i in range(params.n)]
         for state in states:
@@ -166,7 +166,12 @@ class AsyncLLM:
         async with self.generate(self.apply_chat_template(messages), params) as stream:
             yield stream
 
-    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        """`prompt` as token ids (text is tokenised; ids are checked against the vocabulary).
+
+        Raises:
+            ValueError: an empty prompt or a token id outside the vocabulary.
+        """
         if isinstance(prompt, str):
             ids: list[int] = self.tokenizer(prompt)["input_ids"]
         else:
@@ -179,7 +184,12 @@ class AsyncLLM:
             raise ValueError("the prompt is empty: send at least one token")
         return ids
 
-    def _max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
+    def check_length(self, num_prompt: int, params: SamplingParams) -> int:
+        """The request's max_tokens, checked against the model's maximum length.
+
+        Raises:
+            PromptTooLongError: prompt + max_tokens exceed it (the message quotes both).
+        """
         limit = self.ready.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - num_prompt
         if num_prompt + max_tokens > limit or max_tokens < 1:

@@ -56,6 +56,7 @@ class ServeConfig:
     max_body_bytes: int = 4 << 20
     write_timeout: float = 30.0
     shutdown_timeout: float = 30.0
+    stream_interval: int = 1  # tokens per streamed chunk, at least (the last may have fewer)
 
 
 class App:

@@ -8,6 +8,7 @@ them too; their streams end with an error event and `[DONE]`.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -19,6 +20,7 @@ from . import _schemas as S
 from ._errors import RequestError, error_body
 from ._metrics import Metrics
 
+log = logging.getLogger("trillm.http")
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
@@ -49,7 +51,7 @@ class Generation:
         self, request: S.CompletionRequest, receive: Receive, send: Send, extra: list[Any]
     ) -> None:
         params = S.to_sampling_params(request)
-        prompts = request.prompts
+        prompts = self._validated(request.prompts, params)
         if request.stream:
             await self._stream(prompts, params, request, "completion", receive, send, extra)
         else:
@@ -60,6 +62,7 @@ class Generation:
     ) -> None:
         params = S.to_sampling_params(request)
         prompt: list[int] = self.llm.apply_chat_template(S.chat_template_messages(request.messages))
+        self._validated([prompt], params)
         if request.stream:
             await self._stream([prompt], params, request, "chat", receive, send, extra)
         else:
@@ -118,11 +121,20 @@ class Generation:
         index: int,
         started: float,
     ) -> None:
-        outputs = await self.llm.complete(prompt, params)
+        merged: dict[int, Output] = {}
+        timing = _Timing(started)
+        async with self.llm.generate(prompt, params) as stream:
+            async for output in stream:
+                timing.saw(output)
+                if output.index in merged:
+                    merged[output.index].merge(output)
+                else:
+                    merged[output.index] = output
+        outputs = [merged[i] for i in sorted(merged)]
         base = index * params.n
         for output in outputs:
             output.index += base
-            self._observe(output, started)
+            self._observe(output, timing)
         results[index] = outputs
 
     # -- streaming -----------------------------------------------------------------------
@@ -177,6 +189,9 @@ class Generation:
             error = RequestError(500, str(exc), "server_error")
         except trio.TooSlowError:
             return  # the client stopped reading: give up on it
+        except Exception as exc:
+            log.exception("internal error in a stream")
+            error = RequestError(500, f"internal error: {exc}", "server_error")
         with trio.move_on_after(self.config.write_timeout):
             if error is not None:
                 await write(S.sse(error_body(error)))
@@ -193,18 +208,45 @@ class Generation:
         write: Callable[[bytes], Awaitable[None]],
         started: float,
     ) -> None:
+        interval = self.config.stream_interval
+        timing = _Timing(started)
+        pending: dict[int, Output] = {}  # held until `stream_interval` tokens (or the end)
         async with self.llm.generate(prompt, params) as stream:
             async for output in stream:
+                timing.saw(output)
                 output.index += base
+                held = pending.get(output.index)
+                if held is not None:
+                    held.merge(output)
+                    output = held
+                if len(output.token_ids) < interval and not output.finished:
+                    pending[output.index] = output
+                    continue
+                pending.pop(output.index, None)
                 for data in chunker.chunks(output):
                     await write(S.sse(data))
                 if output.finished:
-                    self._observe(output, started)
+                    self._observe(output, timing)
 
     # -- shared --------------------------------------------------------------------------
 
     def _running(self, receive: Receive) -> Any:
         return _Running(self, receive)
+
+    def _validated(
+        self, prompts: list[str | list[int]], params: SamplingParams
+    ) -> list[str | list[int]]:
+        """Tokenise and length-check every prompt now, so a bad one is a 400, not a broken
+        stream (the response has not started yet)."""
+        out: list[str | list[int]] = []
+        for prompt in prompts:
+            try:
+                ids = self.llm.tokenize(prompt)
+            except ValueError as exc:
+                raise RequestError(400, str(exc), param="prompt") from exc
+            self.llm.check_length(len(ids), params)
+            out.append(ids)
+        return out
 
     def _echo(self, prompts: list[str | list[int]], request: Any) -> list[S.EchoPrompt] | None:
         if not getattr(request, "echo", False):
@@ -221,16 +263,35 @@ class Generation:
         text: str = self.llm.tokenizer.convert_ids_to_tokens(token_id)
         return text
 
-    def _observe(self, output: Output, started: float) -> None:
-        now = time.monotonic()
+    def _observe(self, output: Output, timing: _Timing) -> None:
         self.metrics.observe_request(
-            ttft=None,
-            itl_list=[],
-            e2e=now - started,
+            ttft=timing.ttft,
+            itl_list=timing.itl,
+            e2e=time.monotonic() - timing.started,
             prompt_tokens=output.num_prompt_tokens,
             generation_tokens=output.num_output_tokens,
             finished_reason=output.finish_reason or "abort",
         )
+
+
+class _Timing:
+    """When a request's tokens arrived: time to first token and the gaps between tokens."""
+
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self.ttft: float | None = None
+        self.itl: list[float] = []
+        self._last: float | None = None
+
+    def saw(self, output: Output) -> None:
+        if not output.token_ids:
+            return
+        now = time.monotonic()
+        if self._last is None:
+            self.ttft = now - self.started
+        else:
+            self.itl.append((now - self._last) / len(output.token_ids))
+        self._last = now
 
 
 class _Running:

@@ -85,6 +85,7 @@ def build_config(
     api_key: str | None,
     max_queued_requests: int,
     shutdown_timeout: float,
+    stream_interval: int = 1,
 ) -> ServerConfig:
     engine = EngineConfig(
         worker=worker,
@@ -100,6 +101,7 @@ def build_config(
             api_key=api_key,
             max_queued_requests=max_queued_requests,
             shutdown_timeout=shutdown_timeout,
+            stream_interval=max(1, stream_interval),
         ),
         LLMConfig(engine, shutdown_timeout=shutdown_timeout),
     )

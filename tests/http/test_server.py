@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -12,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from ..procs import children
 from .conftest import Server, start_server
 
 GREEDY = {"ignore_eos": True}
@@ -206,3 +208,43 @@ def test_sigterm_drains_open_streams_then_exits_0(tiny_model: Path) -> None:
     data = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     assert lines[-1] == "data: [DONE]" or lines[-2] == "data: [DONE]"
     assert data[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_engine_death_ends_streams_with_the_cause_and_turns_health_503(tiny_model: Path) -> None:
+    server = start_server(tiny_model)
+    try:
+        (engine_pid,) = children(server.process.pid)
+        lines: list[str] = []
+        body = {"prompt": "x", "max_tokens": 400, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as r:
+            for i, line in enumerate(r.iter_lines()):
+                lines.append(line)
+                if i == 4:
+                    os.kill(engine_pid, signal.SIGKILL)
+        events = [line for line in lines if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2][6:])["error"]
+        assert "killed by signal 9 (SIGKILL)" in error["message"]
+        assert httpx.get(f"{server.base_url}/health").status_code == 503
+        r = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "x"}, timeout=30)
+        assert r.status_code == 500 and "SIGKILL" in r.json()["error"]["message"]
+    finally:
+        server.stop()
+
+
+def test_overload_is_refused_at_once_and_stream_interval_groups_tokens(tiny_model: Path) -> None:
+    server = start_server(tiny_model, "--max-queued-requests", "1", "--stream-interval", "4")
+    try:
+        body = {"prompt": "x", "max_tokens": 30, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            next(lines)
+            refused = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "y"})
+            assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+            chunks = [json.loads(x[6:]) for x in [*lines] if x.startswith("data: {")]
+        texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+        assert len(texts) <= 30 // 4 + 2  # at least 4 tokens per chunk, but the last
+        ok = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "y", "max_tokens": 2})
+        assert ok.status_code == 200  # served once the first finished
+    finally:
+        server.stop()
