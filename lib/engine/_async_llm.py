@@ -313,7 +313,10 @@ class AsyncLLM:
 
     async def _last_words(self) -> tuple[int, memoryview]:
         """After the engine exited: its DEAD record if it wrote one, else its exit."""
-        record = self._outputs.try_peek() if not self._outputs.is_closed else None
+        try:
+            record = self._outputs.try_peek()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            record = None  # it wrote nothing before it died
         if record is not None:
             return record
         error = self._exit_error or RemoteError("engine", "RuntimeError", "exited")

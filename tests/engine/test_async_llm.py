@@ -199,3 +199,14 @@ async def test_prompt_logprobs_cover_every_prompt_token(llm: AsyncLLM) -> None:
     entries = [e for e in output.prompt_logprobs[1:] if e is not None]
     assert [e.token_id for e in entries] == prompt[1:]
     assert all(e.logprob <= 0 and len(e.top) == 2 for e in entries)
+
+
+async def test_an_engine_that_dies_before_attaching_names_its_exit(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("sys.executable", "/bin/false")  # the "engine" exits 1 at once
+    with pytest.raises(
+        EngineStartError, match="the engine failed to start: engine exited with code 1"
+    ):
+        async with open_llm(llm_config(tiny_dir)):
+            pass
