@@ -14,7 +14,6 @@ import time
 import msgspec
 import numpy as np
 
-from ..gpu import RunnerOutput
 from ..transport_shm import BusyError, RingReader, RingWriter
 from . import _protocol as P
 from ._config import EngineConfig
@@ -42,7 +41,6 @@ class EngineCore:
         self._utility_decoder = msgspec.msgpack.Decoder(P.UtilityCall)
         self._shutdown_decoder = msgspec.msgpack.Decoder(P.Shutdown)
         self._draining_until: float | None = None
-        self._stop = False
         self._needs_flush = False  # aborts to report even if nothing else runs
         self._rejected: list[int] = []  # invalid ADDs: reported as ERROR rows
 
@@ -75,19 +73,16 @@ class EngineCore:
         self.outputs.send(P.READY, self._encoder.encode(ready), timeout=self.config.output_timeout)
 
     def run(self) -> None:
-        """Step until a SHUTDOWN is done."""
-        while not self._stop:
+        """Step until a SHUTDOWN is done: drained (or its deadline passed), or aborted."""
+        while True:
             busy = self.scheduler.has_unfinished_requests() or self._needs_flush
             self._drain_requests(block=not busy)
-            if self._draining_until is not None:
-                if time.monotonic() >= self._draining_until:
-                    self._abort_all()
-                elif not self.scheduler.has_unfinished_requests() and not self._needs_flush:
-                    break
+            if self._draining_until is not None and time.monotonic() >= self._draining_until:
+                self._abort_all()
             if self.scheduler.has_unfinished_requests() or self._needs_flush:
                 self._step()
             elif self._draining_until is not None:
-                break
+                return
 
     def _step(self) -> None:
         self._needs_flush = False
@@ -95,10 +90,10 @@ class EngineCore:
         output = self.executor.execute(batch)
         self._drain_requests(block=False)  # aborts that arrived meanwhile drop their tokens
         result = self.scheduler.update_from_output(batch, output)
-        self._write(result, output)
+        self._write(result)
         self.step += 1
 
-    def _write(self, result: StepResult, output: RunnerOutput) -> None:
+    def _write(self, result: StepResult) -> None:
         for rnum, prompt in result.prompt_logprobs.items():
             event = P.Event(
                 "prompt_logprobs",
