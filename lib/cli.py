@@ -53,7 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--stream-interval", type=int, default=1, help="tokens per streamed chunk (at least)"
     )
-    serve.add_argument("--executor", default="auto", choices=["auto", "uni", "multiproc", "null"])
+    serve.add_argument(
+        "--executor",
+        default="auto",
+        choices=["auto", "uni", "multiproc", "null"],
+        help="null: no model, deterministic tokens (for host-overhead benchmarks)",
+    )
+    serve.add_argument(
+        "--null-step-time", type=float, default=0.0, help="the null executor's step time, s"
+    )
     return parser
 
 
@@ -92,6 +100,7 @@ def serve_main(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         shutdown_timeout=args.shutdown_timeout,
         stream_interval=args.stream_interval,
+        null_step_time=args.null_step_time,
     )
     trio.run(run_server, config)
     return 0

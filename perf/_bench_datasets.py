@@ -42,9 +42,7 @@ def normal_token_ids(tokenizer: Any) -> np.ndarray:
     return np.array([i for i in range(len(tokenizer)) if i not in special], dtype=np.int64)
 
 
-def sample_lengths(
-    rng: np.random.Generator, mean: int, range_ratio: float, n: int
-) -> list[int]:
+def sample_lengths(rng: np.random.Generator, mean: int, range_ratio: float, n: int) -> list[int]:
     """n lengths uniform in [mean * (1 - ratio), mean * (1 + ratio)], at least 1."""
     if not 0.0 <= range_ratio < 1.0:
         raise DatasetError(f"--random-range-ratio must be in [0, 1), not {range_ratio}")

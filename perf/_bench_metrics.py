@@ -77,7 +77,9 @@ def parse_goodput(specs: Sequence[str]) -> dict[str, float]:
     for spec in specs:
         name, sep, value = spec.partition(":")
         if not sep or name not in SLO_METRICS:
-            raise ValueError(f"--goodput takes METRIC:MS with METRIC in {SLO_METRICS}, not {spec!r}")
+            raise ValueError(
+                f"--goodput takes METRIC:MS with METRIC in {SLO_METRICS}, not {spec!r}"
+            )
         try:
             ms = float(value)
         except ValueError:

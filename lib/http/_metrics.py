@@ -87,6 +87,9 @@ class Metrics:
         self.prompt_tokens = Counter(
             "trillm:prompt_tokens", "Prefill tokens processed.", _LABELS, registry=r
         )
+        self.engine_steps = Counter(
+            "trillm:engine_steps", "Engine steps (scheduler iterations) run.", _LABELS, registry=r
+        )
         self.generation_tokens = Counter(
             "trillm:generation_tokens", "Generation tokens produced.", _LABELS, registry=r
         )
@@ -172,6 +175,7 @@ class Metrics:
         for key, counter in (
             ("prefix_cache_queries", self.prefix_cache_queries),
             ("prefix_cache_hits", self.prefix_cache_hits),
+            ("step", self.engine_steps),
         ):
             total = stats.get(key)
             if not isinstance(total, int):

@@ -86,12 +86,14 @@ def build_config(
     max_queued_requests: int,
     shutdown_timeout: float,
     stream_interval: int = 1,
+    null_step_time: float = 0.0,
 ) -> ServerConfig:
     engine = EngineConfig(
         worker=worker,
         tensor_parallel_size=tensor_parallel_size,
         enable_prefix_caching=enable_prefix_caching,
         executor=executor,
+        null_step_time=null_step_time,
     )
     return ServerConfig(
         host,
