@@ -133,8 +133,11 @@ def sharegpt_requests(
     for i in order:
         prompt, reply = pairs[int(i)]
         in_len = len(tokenizer.encode(prompt)) if tokenizer is not None else 0
-        out_len = output_len or len(tokenizer.encode(reply))
-        if out_len < 4 or (tokenizer is not None and in_len < 4):
+        if output_len is not None:
+            out_len = output_len
+        elif tokenizer is not None:
+            out_len = len(tokenizer.encode(reply))
+        if (output_len is None and out_len < 4) or (tokenizer is not None and in_len < 4):
             continue  # vLLM drops these too: too short to measure decoding
         requests.append(SampleRequest(prompt, in_len, out_len))
         if len(requests) == num:

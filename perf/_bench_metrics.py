@@ -49,7 +49,7 @@ class RequestOutput:
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
-def percentile(values: Sequence[float], q: float) -> float:
+def percentile(values: Sequence[float] | np.ndarray, q: float) -> float:
     """The q-th percentile, 0.0 for no values (a report must not fail on an empty series)."""
     return float(np.percentile(values, q)) if len(values) else 0.0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from _bench_metrics import RequestOutput
@@ -20,7 +21,7 @@ class PlotUnavailableError(RuntimeError):
 def require_matplotlib() -> None:
     """Raises PlotUnavailableError, naming the install command, when matplotlib is missing."""
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # type: ignore[import-not-found, unused-ignore]  # noqa: F401
     except ImportError:
         raise PlotUnavailableError(
             "--plot needs matplotlib, which is not installed: "
@@ -28,23 +29,23 @@ def require_matplotlib() -> None:
         ) from None
 
 
-def _cdf(ax: object, values_ms: Sequence[float], title: str) -> None:
+def _cdf(ax: Any, values_ms: Sequence[float], title: str) -> None:
     xs = np.sort(np.asarray(values_ms))
     ys = np.arange(1, len(xs) + 1) / max(len(xs), 1)
-    ax.step(xs, ys, where="post")  # type: ignore[attr-defined]
-    ax.set_title(title)  # type: ignore[attr-defined]
-    ax.set_xlabel("ms")  # type: ignore[attr-defined]
-    ax.set_ylabel("fraction of requests")  # type: ignore[attr-defined]
-    ax.grid(alpha=0.3)  # type: ignore[attr-defined]
+    ax.step(xs, ys, where="post")
+    ax.set_title(title)
+    ax.set_xlabel("ms")
+    ax.set_ylabel("fraction of requests")
+    ax.grid(alpha=0.3)
 
 
 def save_plot(outputs: Sequence[RequestOutput], path: Path) -> None:
     """Three CDFs on top; below, one bar per request from start to end, TTFT darker."""
     require_matplotlib()
-    import matplotlib
+    import matplotlib  # type: ignore[import-not-found, unused-ignore]
 
     matplotlib.use("Agg")  # no display on a server
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
 
     done = [o for o in outputs if o.success]
     fig = plt.figure(figsize=(14, 9))
@@ -62,7 +63,7 @@ def save_plot(outputs: Sequence[RequestOutput], path: Path) -> None:
         timeline.barh(
             i, o.latency - o.ttft, left=o.start_time + o.ttft, color="tab:blue", height=0.8
         )
-    timeline.set_title("requests: prefill until the first token (orange), decode (blue)")
+    timeline.set_title("requests: queue + prefill until the first token (orange), decode (blue)")
     timeline.set_xlabel("seconds since the start")
     timeline.set_ylabel("request")
     fig.tight_layout()

@@ -49,8 +49,12 @@ CPU_WARNING_FRACTION = 0.8
 def first_model(base_url: str, api_key: str | None) -> str:
     """The first model id the server lists, the default for `--model`."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    resp = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
-    resp.raise_for_status()
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        resp = httpx.get(url, headers=headers, timeout=30)
+        resp.raise_for_status()
+    except httpx.HTTPError as e:
+        raise ValueError(f"cannot list the models at {url} ({e}): is the server up?") from None
     return str(resp.json()["data"][0]["id"])
 
 
@@ -104,7 +108,7 @@ async def benchmark(
     return {"metrics": result, "outputs": outputs}
 
 
-def print_report(config: ClientConfig, args: argparse.Namespace, m: dict[str, Any]) -> None:
+def print_report(config: ClientConfig, m: dict[str, Any]) -> None:
     """The console table, in vLLM's layout."""
     line = "=" * 60
 
@@ -113,7 +117,7 @@ def print_report(config: ClientConfig, args: argparse.Namespace, m: dict[str, An
         print(f"{name:<44}{text:>16}")
 
     print(f"{' Serving Benchmark Result ':=^60}")
-    row("Endpoint / model:", f"{config.endpoint} / {config.model}"[-16:])
+    print(f"Endpoint: {config.url}\nModel: {config.model}")
     row("Successful requests:", m["completed"])
     row("Failed requests:", m["failed"])
     row("Benchmark duration (s):", m["duration"])
@@ -161,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(samples) - args.num_warmups} requests to {config.url}, rate {args.request_rate}")
     run = asyncio.run(benchmark(config, args, samples, tokenizer))
     m, outputs = run["metrics"], run["outputs"]
-    print_report(config, args, m)
+    print_report(config, m)
     for i, o in enumerate(outputs):
         if o.error:
             print(f"request {i} failed: {o.error}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -270,7 +271,10 @@ class AsyncLLM:
         self._outputs = RingReader.create(engine.output_ring_bytes)
         self._utility_waiters: dict[int, tuple[trio.Event, list[Any]]] = {}
         args = EngineArgs(engine, self._requests.address, self._outputs.address, os.getpid())
-        self._process = await trio.lowlevel.open_process(
+        # Popen in this thread, not `trio.lowlevel.open_process`: that forks from a worker
+        # thread, and the engine's parent-death signal follows the forking *thread*, which
+        # trio reaps when idle (the engine was SIGKILLed about 10 s after start).
+        self._process = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
@@ -279,6 +283,8 @@ class AsyncLLM:
             ],
             pass_fds=(*self._requests.address.fds, *self._outputs.address.fds),
         )
+        self._pidfd = os.pidfd_open(self._process.pid)
+        self._exited = trio.Event()
         nursery.start_soon(self._supervise)
         tokenizer_error: BaseException | None = None
         try:  # while the engine loads its weights
@@ -323,8 +329,13 @@ class AsyncLLM:
         raise EngineStartError(error)
 
     async def _supervise(self) -> None:
-        """Wait for the engine process to exit; then every ring waiter breaks."""
-        code = await self._process.wait()
+        """Wait for the engine process to exit (its pidfd); then every ring waiter breaks."""
+        try:
+            await trio.lowlevel.wait_readable(self._pidfd)
+        except trio.ClosedResourceError:
+            return  # `_shutdown` closed the pidfd: nothing is left to supervise
+        code = self._process.wait()  # it exited: this reaps it at once
+        self._exited.set()
         self._exit_error = (
             RemoteError("engine", signal=-code)
             if code < 0
@@ -385,17 +396,19 @@ class AsyncLLM:
         """Drain the engine (bounded), then make sure it is gone and the rings are closed."""
         self._closing = True
         with trio.CancelScope(shield=True):
-            if self._dead is None and self._process.returncode is None:
+            if self._dead is None and self._process.poll() is None:
                 data = self._encoder.encode(P.Shutdown("drain", self.config.shutdown_timeout))
                 view = self._requests.try_reserve(len(data))
                 if view is not None:
                     view[:] = data
                     self._requests.commit(P.SHUTDOWN)
             with trio.move_on_after(self.config.shutdown_timeout + 5):
-                await self._process.wait()
-            if self._process.returncode is None:
+                await self._exited.wait()
+            if self._process.poll() is None:
                 self._process.kill()
-                await self._process.wait()
+            self._process.wait()
+            trio.lowlevel.notify_closing(self._pidfd)
+            os.close(self._pidfd)
             self._die(RemoteError("engine", "EngineShutdown", "the engine was shut down"))
             self._requests.close()
             self._outputs.close()

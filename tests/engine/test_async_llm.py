@@ -210,3 +210,12 @@ async def test_an_engine_that_dies_before_attaching_names_its_exit(
     ):
         async with open_llm(llm_config(tiny_dir)):
             pass
+
+
+async def test_the_engine_outlives_trios_idle_worker_threads(llm: AsyncLLM) -> None:
+    """Regression: spawned from a trio worker thread, the engine got its parent-death
+    SIGKILL when trio reaped that thread after 10 s idle."""
+    await trio.to_thread.run_sync(lambda: None)  # a worker thread exists, then idles
+    await trio.sleep(12)
+    output = (await llm.complete("still there?", GREEDY))[0]
+    assert len(output.token_ids) == 12 and not llm.errored
