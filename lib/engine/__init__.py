@@ -5,7 +5,6 @@ trio frontend client (`open_llm`, `AsyncLLM`). Knows no HTTP (DESIGN.md §1, §6
 from ._async_llm import AsyncLLM as AsyncLLM
 from ._async_llm import LLMConfig as LLMConfig
 from ._async_llm import PromptTooLongError as PromptTooLongError
-from ._async_llm import RequestStream as RequestStream
 from ._async_llm import open_llm as open_llm
 from ._config import EngineConfig as EngineConfig
 from ._config import EngineConfigError as EngineConfigError
@@ -26,3 +25,4 @@ from ._scheduler import Scheduler as Scheduler
 from ._scheduler import SchedulerConfig as SchedulerConfig
 from ._scheduler import StepResult as StepResult
 from ._step_record import StepView as StepView
+from ._streams import RequestStream as RequestStream

@@ -30,9 +30,10 @@ from ._detokenizer import IncrementalDetokenizer, StopChecker
 from ._errors import EngineDeadError, RemoteError
 from ._launch import EngineStartError
 from ._output_processor import OutputProcessor, RequestState
-from ._outputs import Mailbox, Output, TokenLogprob
+from ._outputs import Mailbox, Output
 from ._sampling_params import SamplingParams
 from ._step_record import StepView
+from ._streams import RequestStream, load_tokenizer, prompt_logprobs_output
 
 
 class PromptTooLongError(ValueError):
@@ -47,32 +48,6 @@ class LLMConfig:
     tokenizer: str | None = None  # default: the model directory
     start_timeout: float = 600.0
     shutdown_timeout: float = 30.0
-
-
-class RequestStream:
-    """`async for output in stream`: a request's outputs, child by child, until all finish."""
-
-    def __init__(self, mailbox: Mailbox, n: int) -> None:
-        self._mailbox = mailbox
-        self._unfinished = n
-        self._buffer: list[Output] = []
-
-    @property
-    def finished(self) -> bool:
-        return self._unfinished == 0 and not self._buffer
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> Output:
-        if not self._buffer:
-            if self._unfinished == 0:
-                raise StopAsyncIteration
-            self._buffer = await self._mailbox.get()
-        output = self._buffer.pop(0)
-        if output.finished:
-            self._unfinished -= 1
-        return output
 
 
 class AsyncLLM:
@@ -436,30 +411,3 @@ async def open_llm(config: LLMConfig) -> AsyncIterator[AsyncLLM]:
         if len(group.exceptions) == 1:
             raise group.exceptions[0] from group.exceptions[0].__cause__
         raise
-
-
-def load_tokenizer(path: str) -> Any:
-    """The Hugging Face fast tokenizer of a model directory or GGUF file."""
-    from transformers import AutoTokenizer
-
-    if path.endswith(".gguf"):
-        directory, name = os.path.split(os.path.abspath(path))
-        return AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    return AutoTokenizer.from_pretrained(path)
-
-
-def prompt_logprobs_output(state: RequestState, event: P.Event) -> Output:
-    """An output carrying one chunk of prompt logprobs (None for the first prompt token)."""
-    logprobs = np.frombuffer(event.logprobs, "<f4").tolist()
-    k = event.k
-    top_ids = np.frombuffer(event.topk_ids, "<i4").reshape(-1, k).tolist() if k else None
-    top_lps = np.frombuffer(event.topk_logprobs, "<f4").reshape(-1, k).tolist() if k else None
-    first = event.first_position
-    entries: list[TokenLogprob | None] = [None] if first == 1 else []
-    for i, logprob in enumerate(logprobs):
-        token = state.prompt_token_ids[first + i]
-        top = list(zip(top_ids[i], top_lps[i], strict=True)) if top_ids and top_lps else []
-        entries.append(TokenLogprob(token, logprob, top))
-    return Output(
-        state.index, "", [], num_prompt_tokens=state.num_prompt_tokens, prompt_logprobs=entries
-    )
