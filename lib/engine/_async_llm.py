@@ -62,7 +62,6 @@ class AsyncLLM:
         self._encoder = msgspec.msgpack.Encoder()
         self._dead: EngineDeadError | None = None
         self._exit_error: RemoteError | None = None
-        self._closing = False
         self._send_lock = trio.StrictFIFOLock()  # one writer task at a time on the request ring
         self.ready: P.Ready
 
@@ -369,7 +368,6 @@ class AsyncLLM:
 
     async def _shutdown(self) -> None:
         """Drain the engine (bounded), then make sure it is gone and the rings are closed."""
-        self._closing = True
         with trio.CancelScope(shield=True):
             if self._dead is None and self._process.poll() is None:
                 data = self._encoder.encode(P.Shutdown("drain", self.config.shutdown_timeout))

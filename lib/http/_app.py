@@ -13,7 +13,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import trio
 
 from .. import __version__
@@ -67,7 +66,6 @@ class App:
         self.config = config
         self.metrics = metrics
         self.generation = Generation(llm, config, metrics)
-        self._encoder = msgspec.json.Encoder()
         self._routes: dict[tuple[str, str], Callable[..., Awaitable[None]]] = {
             ("GET", "/health"): self._health,
             ("GET", "/version"): self._version,
