@@ -62,7 +62,37 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--null-step-time", type=float, default=0.0, help="the null executor's step time, s"
     )
+    bench = commands.add_parser("bench", help="benchmarks (from a source checkout)")
+    bench_commands = bench.add_subparsers(dest="bench_command", metavar="BENCH")
+    bench_commands.add_parser(
+        "serve",
+        help="latency benchmark of an OpenAI-compatible server (perf/bench_serve.py)",
+        add_help=False,
+    )
     return parser
+
+
+def bench_serve_main(argv: list[str]) -> int:
+    """Run `perf/bench_serve.py` with `argv`; it lives in the source tree, not the package."""
+    import importlib.util
+    from pathlib import Path
+
+    perf = Path(__file__).resolve().parent.parent / "perf"
+    script = perf / "bench_serve.py"
+    if not script.exists():
+        print(
+            f"trillm bench serve needs a source checkout of trillm ({script} is missing); "
+            f"run perf/bench_serve.py from the repository",
+            file=sys.stderr,
+        )
+        return 2
+    sys.path.insert(0, str(perf))
+    spec = importlib.util.spec_from_file_location("bench_serve", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result: int = module.main(argv)
+    return result
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -109,6 +139,9 @@ def serve_main(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `trillm` console script."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "serve"]:
+        return bench_serve_main(argv[2:])
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
