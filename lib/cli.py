@@ -118,7 +118,6 @@ def serve_main(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     config = build_config(
-        model=model,
         host=args.host,
         port=args.port,
         served_model_name=name,

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -23,12 +21,11 @@ import msgspec
 import numpy as np
 import trio
 
-from ..transport_shm import RingReader, RingWriter
 from . import _protocol as P
-from ._config import EngineArgs, EngineConfig
+from ._config import EngineConfig
 from ._detokenizer import IncrementalDetokenizer, StopChecker
 from ._errors import EngineDeadError, RemoteError
-from ._launch import EngineStartError
+from ._launch import EngineStartError, spawn_engine
 from ._output_processor import OutputProcessor, RequestState
 from ._outputs import Mailbox, Output
 from ._sampling_params import SamplingParams
@@ -240,23 +237,11 @@ class AsyncLLM:
     # -- life ----------------------------------------------------------------------------
 
     async def _start(self, nursery: trio.Nursery) -> None:
-        engine = self.config.engine
-        self._requests = RingWriter.create(engine.request_ring_bytes)
-        self._outputs = RingReader.create(engine.output_ring_bytes)
         self._utility_waiters: dict[int, tuple[trio.Event, list[Any]]] = {}
-        args = EngineArgs(engine, self._requests.address, self._outputs.address, os.getpid())
-        # Popen in this thread, not `trio.lowlevel.open_process`: that forks from a worker
-        # thread, and the engine's parent-death signal follows the forking *thread*, which
-        # trio reaps when idle (the engine was SIGKILLed about 10 s after start).
-        self._process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "trillm.engine._core_process",
-                msgspec.json.encode(args).decode(),
-            ],
-            pass_fds=(*self._requests.address.fds, *self._outputs.address.fds),
-        )
+        # `spawn_engine` forks from this thread, not a trio worker thread as
+        # `trio.lowlevel.open_process` would: the engine's parent-death signal follows the
+        # forking *thread*, which trio reaps when idle (the engine was SIGKILLed ~10 s in).
+        self._process, self._requests, self._outputs = spawn_engine(self.config.engine)
         self._pidfd = os.pidfd_open(self._process.pid)
         self._exited = trio.Event()
         nursery.start_soon(self._supervise)

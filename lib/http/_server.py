@@ -74,7 +74,6 @@ async def _watch_signals(app: App, shutdown: trio.Event, everything: trio.Cancel
 
 def build_config(
     *,
-    model: str,
     host: str,
     port: int,
     served_model_name: str,
