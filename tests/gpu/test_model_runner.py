@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +11,7 @@ import transformers
 
 from trillm.gpu import SamplingOptions
 
-from .conftest import make_runner
+from .conftest import make_runner, save_tiny
 from .driver import Driver, DriverRequest
 
 
@@ -121,16 +120,12 @@ def test_the_tiny_model_speaks_smollm2s_tokenizer(tiny_model_dir: Path) -> None:
     assert len(tokenizer) == 49152
 
 
-def test_sharded_checkpoints_and_llama3_rope_scaling_are_read(tiny_model_dir: Path) -> None:
-    config = json.loads((tiny_model_dir / "config.json").read_text())
-    if (
-        config.get("rope_scaling")
-        or (config.get("rope_parameters") or {}).get("rope_type") == "llama3"
-    ):
-        assert (tiny_model_dir / "model.safetensors.index.json").exists()
-        runner = make_runner(tiny_model_dir)
-        assert runner.model_config.rope_scaling is not None
-        assert runner.model_config.rope_scaling["rope_type"] == "llama3"
+def test_sharded_checkpoints_and_llama3_rope_scaling_are_read(tmp_path: Path) -> None:
+    model_dir = save_tiny(tmp_path, "llama3")  # saved in shards, with llama3 RoPE scaling
+    assert (model_dir / "model.safetensors.index.json").exists()
+    runner = make_runner(model_dir)
+    assert runner.model_config.rope_scaling is not None
+    assert runner.model_config.rope_scaling["rope_type"] == "llama3"
 
 
 def test_dummy_weights_run_without_a_checkpoint(tiny_model_dir: Path) -> None:
