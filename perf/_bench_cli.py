@@ -23,6 +23,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sharegpt-output-len", type=int, help="override the replies' lengths")
     p.add_argument("--random-input-len", type=int, default=1024, help="(suffix for prefixes)")
     p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument(
+        "--prompt-format",
+        choices=("text", "ids"),
+        default="text",
+        help="completions prompts as text re-encoded to the exact length (any server) or as "
+        "token-id lists (vLLM, trillm)",
+    )
     p.add_argument("--random-range-ratio", type=float, default=0.0)
     p.add_argument("--prefix-len", type=int, default=256)
     p.add_argument("--num-prefixes", type=int, default=10)

@@ -1,9 +1,10 @@
 """The prompts `bench_serve.py` sends: random token ids, ShareGPT conversations, shared prefixes.
 
-Random prompts are token-id lists drawn from the target tokenizer's vocabulary (special tokens
-left out), so a completions request carries exactly the length asked for: text would change
-length through a decode/encode round trip. Chat requests need text, so they carry the decoded
-ids and the length is approximate (the chat template adds its own tokens too).
+Random prompts are drawn from the target tokenizer's vocabulary (special tokens left out). As
+token-id lists a completions request carries exactly the length asked for, but not every server
+takes ids (`transformers serve` wants a string). As text, a decode/encode round trip changes
+the length, so `exact_text` re-encodes and trims until the text encodes to exactly the asked
+length, as vLLM's random dataset does. Chat requests add the chat template's own tokens.
 """
 
 from __future__ import annotations
@@ -69,9 +70,34 @@ def random_requests(
     requests = []
     for in_len, out_len in zip(in_lens, out_lens, strict=True):
         ids = (prefix or []) + [int(t) for t in rng.choice(vocab, size=in_len)]
-        prompt: list[int] | str = tokenizer.decode(ids) if as_text else ids
-        requests.append(SampleRequest(prompt, len(ids), out_len))
+        if as_text:
+            text, length = exact_text(tokenizer, ids, rng, vocab)
+            requests.append(SampleRequest(text, length, out_len))
+        else:
+            requests.append(SampleRequest(ids, len(ids), out_len))
     return requests
+
+
+def exact_text(
+    tokenizer: Any, ids: list[int], rng: np.random.Generator, vocab: np.ndarray
+) -> tuple[str, int]:
+    """Text that encodes to `len(ids)` tokens: decode, re-encode, trim or top up, repeat.
+
+    Merges across token boundaries make the round trip shorter or longer; a few rounds settle
+    it. If they do not, the text and its true length are returned, so the report stays honest.
+    """
+    target = len(ids)
+    text = tokenizer.decode(ids)
+    for _ in range(16):
+        got = tokenizer.encode(text, add_special_tokens=False)
+        if len(got) == target:
+            return text, target
+        if len(got) > target:
+            got = got[:target]
+        else:
+            got = got + [int(t) for t in rng.choice(vocab, size=target - len(got))]
+        text = tokenizer.decode(got)
+    return text, len(tokenizer.encode(text, add_special_tokens=False))
 
 
 def prefix_repetition_requests(

@@ -61,7 +61,7 @@ def first_model(base_url: str, api_key: str | None) -> str:
 def build_samples(args: argparse.Namespace, tokenizer: Any) -> list[SampleRequest]:
     """The dataset's prompts; random kinds need the tokenizer to count exact token ids."""
     rng = np.random.default_rng(args.seed)
-    as_text = args.endpoint == "chat"
+    as_text = args.endpoint == "chat" or args.prompt_format == "text"
     total = args.num_prompts + args.num_warmups
     if args.dataset == "sharegpt":
         if args.dataset_path is None:

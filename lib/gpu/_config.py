@@ -9,6 +9,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+CPU_LINEAR = ("onednn", "aten")
 _FAULT = re.compile(r"forward:\d+:\d+")
 
 
@@ -20,8 +21,9 @@ class WorkerConfigError(ValueError):
 class WorkerConfig:
     """What a worker needs to load a model and size its KV cache.
 
-    `dtype="auto"` is float32 on CPU (a bfloat16 matmul without AVX-512/AMX ran 3-30x slower
-    than float32 on our machines) and bfloat16 on CUDA.
+    `dtype="auto"` is float32 on CPU and bfloat16 on CUDA. A CPU without AVX-512 BF16 or AMX
+    runs a bfloat16 matmul 3-30x slower than float32; where it has them (our CI machines do),
+    `dtype="bfloat16"` is faster but less exact (`perf/linear_bench.py` shows both).
     """
 
     model: str  # a Hugging Face model directory or a GGUF file
@@ -35,6 +37,9 @@ class WorkerConfig:
     kv_cache_bytes: int = 1 << 30  # the KV budget on CPU, where free memory is not measurable
     gpu_memory_utilization: float = 0.9
     seed: int = 0
+    # "onednn": linear weights packed for oneDNN on the CPU (2x on AVX-512; `_cpu_linear`);
+    # "aten": plain F.linear (MKL), for comparison.
+    cpu_linear: str = "onednn"
     # Test hook: "forward:RANK:STEP" raises InjectedFault inside the model's forward on that
     # rank at that step (counting from 0), so death reporting can be tested end to end.
     inject_fault: str | None = None
@@ -47,6 +52,10 @@ class WorkerConfig:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise WorkerConfigError(
                 f"dtype {self.dtype!r} is not auto or one of {', '.join(DTYPES)}"
+            )
+        if self.cpu_linear not in CPU_LINEAR:
+            raise WorkerConfigError(
+                f"cpu_linear {self.cpu_linear!r} is not one of {', '.join(CPU_LINEAR)}"
             )
         if self.block_size not in (8, 16, 32, 64, 128):
             raise WorkerConfigError(

@@ -12,7 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._cpu_linear import pack_weight, packed_linear
 from ._parallel import TensorParallel
+
+
+def _drop(param: nn.Parameter) -> None:
+    """Free a dense weight that now lives packed (its shape is kept in the packed tensor)."""
+    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
 
 class RMSNorm(nn.Module):
@@ -55,6 +61,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = (
             nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
         )
+        self.packed: torch.Tensor | None = None
 
     def load(self, part: int, weight: torch.Tensor, *, is_bias: bool = False) -> None:
         """Copy this rank's rows of the full `weight` of merged part `part`."""
@@ -66,7 +73,14 @@ class ColumnParallelLinear(nn.Module):
             raise KeyError("this layer has no bias, but the checkpoint has one")
         target.data[start : start + shard].copy_(rows)
 
+    def pack(self) -> None:
+        """Move the loaded weight into oneDNN's layout (CPU only; see `_cpu_linear`)."""
+        self.packed = pack_weight(self.weight)
+        _drop(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -94,6 +108,7 @@ class RowParallelLinear(nn.Module):
             if bias
             else None
         )
+        self.packed: torch.Tensor | None = None
 
     def load(self, weight: torch.Tensor, *, is_bias: bool = False) -> None:
         """Copy this rank's columns of the full `weight` (the bias is not split)."""
@@ -104,8 +119,16 @@ class RowParallelLinear(nn.Module):
             return
         self.weight.data.copy_(weight.narrow(1, self.tp.rank * self.shard, self.shard))
 
+    def pack(self) -> None:
+        """Move the loaded weight into oneDNN's layout (CPU only; see `_cpu_linear`)."""
+        self.packed = pack_weight(self.weight)
+        _drop(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        partial = (
+            F.linear(x, self.weight) if self.packed is None else packed_linear(x, self.packed, None)
+        )
+        out = self.tp.all_reduce(partial)
         return out if self.bias is None else out + self.bias
 
 
@@ -127,6 +150,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(
             torch.zeros(self.shard, hidden_size, dtype=dtype), requires_grad=False
         )
+        self.packed_head: torch.Tensor | None = None
 
     def load(self, weight: torch.Tensor) -> None:
         """Copy this rank's rows of the full [vocab, hidden] matrix."""
@@ -142,7 +166,18 @@ class VocabParallelEmbedding(nn.Module):
         out.masked_fill_(outside.unsqueeze(-1), 0)
         return self.tp.all_reduce(out)
 
+    def pack(self) -> None:
+        """A packed copy of the matrix for `logits`; the dense one stays for the lookup.
+
+        That costs one more vocab x hidden matrix of memory (113 MB for SmolLM2 in float32),
+        and halves the head's time per decode step on AVX-512 CPUs.
+        """
+        self.packed_head = pack_weight(self.weight)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits, gathered from every rank's vocab shard."""
-        local = F.linear(hidden, self.weight)
+        if self.packed_head is not None:
+            local = packed_linear(hidden, self.packed_head, None)
+        else:
+            local = F.linear(hidden, self.weight)
         return self.tp.all_gather(local, dim=-1)[:, : self.vocab_size]

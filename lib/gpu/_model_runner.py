@@ -14,6 +14,7 @@ import torch
 
 from ._attention import AttentionMetadata, PrefillSpan
 from ._config import WorkerConfig
+from ._cpu_linear import packed_linear_available
 from ._input_batch import InputBatch, StepInputs
 from ._model_config import ModelConfig
 from ._parallel import TensorParallel
@@ -66,6 +67,12 @@ class ModelRunner:
                 param.data.normal_(0.0, 0.02)
         else:
             model.load_weights(weights)
+        if (
+            self.device.type == "cpu"
+            and self.config.cpu_linear == "onednn"
+            and packed_linear_available(self.dtype)
+        ):
+            model.pack_linears()
         self.model = model.eval()
 
     def kv_bytes_per_block(self) -> int:

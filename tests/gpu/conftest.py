@@ -75,11 +75,14 @@ def tiny_model_dir(
 
 
 def make_runner(
-    model_dir: Path, *, num_blocks: int = 64, block_size: int = 8, **kw: object
+    model_dir: Path,
+    *,
+    num_blocks: int = 64,
+    block_size: int = 8,
+    dtype: str = "float32",
+    **kw: object,
 ) -> ModelRunner:
-    config = WorkerConfig(
-        str(model_dir), device="cpu", dtype="float32", block_size=block_size, **kw
-    )  # type: ignore[arg-type]
+    config = WorkerConfig(str(model_dir), device="cpu", dtype=dtype, block_size=block_size, **kw)  # type: ignore[arg-type]
     model_config, weights = open_model(config.model, config.load_format)
     runner = ModelRunner(config, model_config, TensorParallel(), torch.device("cpu"))
     runner.load_model(weights)

@@ -133,3 +133,24 @@ def test_dummy_weights_run_without_a_checkpoint(tiny_model_dir: Path) -> None:
     requests = [DriverRequest(0, [5, 6, 7], max_tokens=4)]
     Driver(runner, 64).run(requests)
     assert len(requests[0].output) == 4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_onednn_packed_linears_match_aten(tiny_model_dir: Path, dtype: str) -> None:
+    """The oneDNN path (packed weights, dense copies dropped) and plain F.linear agree."""
+    packed = make_runner(tiny_model_dir, dtype=dtype)
+    plain = make_runner(tiny_model_dir, dtype=dtype, cpu_linear="aten")
+    assert packed.model.layers[0].mlp.down_proj.packed is not None
+    assert packed.model.layers[0].mlp.down_proj.weight.numel() == 0
+    assert plain.model.layers[0].mlp.down_proj.packed is None
+    outputs = []
+    for runner in (packed, plain):
+        requests = [DriverRequest(0, list(range(100, 131)), max_tokens=5)]
+        Driver(runner, 64).run(requests)
+        capture = CapturingSampler(runner.sampler)
+        runner.sampler = capture  # type: ignore[assignment]
+        Driver(runner, 64).run([DriverRequest(1, list(range(200, 219)), max_tokens=2)])
+        outputs.append((requests[0].output, capture.logits[0]))
+    assert outputs[0][0] == outputs[1][0]
+    tolerance = 1e-4 if dtype == "float32" else 0.1
+    torch.testing.assert_close(outputs[0][1], outputs[1][1], atol=tolerance, rtol=0)

@@ -143,8 +143,11 @@ def test_random_prompts_have_exact_lengths(tokenizer: Any) -> None:
     ranged = random_requests(tokenizer, 50, 100, 20, 0.5, rng)
     assert all(50 <= r.prompt_len <= 150 and 10 <= r.output_len <= 30 for r in ranged)
     assert all(len(r.prompt) == r.prompt_len for r in ranged)
-    texts = random_requests(tokenizer, 3, 32, 8, 0.0, rng, as_text=True)
-    assert all(isinstance(r.prompt, str) and r.prompt_len == 32 for r in texts)
+    texts = random_requests(tokenizer, 20, 32, 8, 0.0, rng, as_text=True)
+    assert all(isinstance(r.prompt, str) for r in texts)
+    encoded = [len(tokenizer.encode(r.prompt, add_special_tokens=False)) for r in texts]
+    assert encoded == [r.prompt_len for r in texts]
+    assert sum(n == 32 for n in encoded) >= 18  # the round trip settles almost always
 
 
 def test_prefix_repetition_prompts_share_their_prefixes(tokenizer: Any) -> None:

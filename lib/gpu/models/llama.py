@@ -167,6 +167,15 @@ class LlamaForCausalLM(nn.Module):
         result: torch.Tensor = self.norm(hidden)
         return result
 
+    def pack_linears(self) -> None:
+        """Pack every linear weight and the head for oneDNN (CPU only; see `_cpu_linear`)."""
+        for module in self.modules():
+            if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+                module.pack()
+        self.lm_head.pack()
+        if self.lm_head is not self.embed_tokens:  # an untied head is only ever multiplied
+            self.lm_head.weight.data = torch.empty(0, dtype=self.lm_head.weight.dtype)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits."""
         return self.lm_head.logits(hidden)
