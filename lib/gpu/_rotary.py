@@ -32,8 +32,16 @@ def inverse_frequencies(
     raise ValueError(f"rope scaling {kind!r} is not supported (supported: default, linear, llama3)")
 
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos and signed sin, each [T, 1, head_dim]
+
+
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to query and key heads at given positions, from a cos/sin table."""
+    """RoPE from a cos/sin table, in rotate-half form: x * cos + swap_halves(x) * sin.
+
+    The table holds cos twice and (-sin, sin), so one rotation is a roll, a multiply and a
+    fused multiply-add over whole heads; `angles` is gathered once per forward and every layer
+    rotates its query and key heads together (they are adjacent in the qkv projection).
+    """
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -49,19 +57,15 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", angles.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", angles.sin().to(dtype), persistent=False)
+        cos, sin = angles.cos(), angles.sin()
+        self.register_buffer("cos", torch.cat((cos, cos), -1).to(dtype), persistent=False)
+        self.register_buffer("sin", torch.cat((-sin, sin), -1).to(dtype), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, Hq, D] and k [T, Hk, D] by the angles of `positions` [T]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def angles(self, positions: torch.Tensor) -> Rope:
+        """The rotation of each token at `positions` [T], shared by every layer of a forward."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def rotate(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """Rotate heads x [T, heads, D] (any strides) by `rope`; returns a new tensor."""
+        cos, sin = rope
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)

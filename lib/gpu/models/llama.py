@@ -19,7 +19,7 @@ from .._failure import InjectedFault
 from .._layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from .._model_config import ModelConfig
 from .._parallel import TensorParallel
-from .._rotary import RotaryEmbedding
+from .._rotary import Rope, RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -55,17 +55,18 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: Rope,
         hidden: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        qk_heads = self.num_heads + self.num_kv_heads
+        qk = self.rotary.rotate(
+            qkv[:, : self.q_size + self.kv_size].view(-1, qk_heads, self.head_dim), rope
+        )
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         result: torch.Tensor = self.o_proj(out.flatten(1))
         return result
@@ -104,9 +105,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, tp, dtype)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, kv: KVCache, meta: AttentionMetadata
+        self, rope: Rope, hidden: torch.Tensor, kv: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv, meta)
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv, meta)
         result: torch.Tensor = hidden + self.mlp(self.post_attention_layernorm(hidden))
         return result
 
@@ -140,6 +141,7 @@ class LlamaForCausalLM(nn.Module):
             config.rope_scaling,
             dtype,
         )
+        self.rotary = rotary
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, rotary, tp, dtype) for _ in range(config.num_layers)
         )
@@ -162,8 +164,9 @@ class LlamaForCausalLM(nn.Module):
             self.fail_next_forward = False
             raise InjectedFault("injected fault in LlamaForCausalLM.forward (test hook)")
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary.angles(positions)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv, meta)
+            hidden = layer(rope, hidden, kv, meta)
         result: torch.Tensor = self.norm(hidden)
         return result
 
