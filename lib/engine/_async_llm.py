@@ -4,7 +4,8 @@
 and runs two tasks in its own nursery: the output pump (STEP records -> mailboxes) and the
 supervisor (the engine's exit -> every ring waiter breaks). Engine death, whether told by a
 DEAD record or seen as the process exit, fails every open request in one synchronous pass
-with an `EngineDeadError` naming the root cause; later calls raise it at once.
+with an `EngineDeadError` naming the root cause; later calls raise it at once. A watchdog
+kills an engine whose heartbeat stopped (SIGSTOP: alive to the pidfd, dead to its clients).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from . import _protocol as P
 from ._config import EngineConfig
 from ._detokenizer import IncrementalDetokenizer, StopChecker
 from ._errors import EngineDeadError, RemoteError
+from ._heartbeat import MIN_WATCHDOG_TIMEOUT, not_responding_error, wait_heartbeat_stopped
 from ._launch import EngineStartError, spawn_engine
 from ._output_processor import OutputProcessor, RequestState
 from ._outputs import Mailbox, Output
@@ -45,6 +47,15 @@ class LLMConfig:
     tokenizer: str | None = None  # default: the model directory
     start_timeout: float = 600.0
     shutdown_timeout: float = 30.0
+    # Seconds without the engine's heartbeat before it is declared dead and killed (0: never).
+    watchdog_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.watchdog_timeout != 0 and self.watchdog_timeout < MIN_WATCHDOG_TIMEOUT:
+            raise ValueError(
+                f"the engine watchdog timeout must be 0 (off) or at least "
+                f"{MIN_WATCHDOG_TIMEOUT} s (the heartbeat's jitter), got {self.watchdog_timeout}"
+            )
 
 
 class AsyncLLM:
@@ -58,6 +69,7 @@ class AsyncLLM:
         self._processor = OutputProcessor()
         self._encoder = msgspec.msgpack.Encoder()
         self._dead: EngineDeadError | None = None
+        self._died = trio.Event()
         self._exit_error: RemoteError | None = None
         self._send_lock = trio.StrictFIFOLock()  # one writer task at a time on the request ring
         self.ready: P.Ready
@@ -68,8 +80,24 @@ class AsyncLLM:
         return self._dead is not None
 
     @property
+    def error(self) -> EngineDeadError | None:
+        """Why the engine died (what every later call raises), or None while it lives."""
+        return self._dead
+
+    async def wait_dead(self) -> EngineDeadError:
+        """Wait until the engine died (or was shut down); return why."""
+        await self._died.wait()
+        assert self._dead is not None
+        return self._dead
+
+    @property
     def max_model_len(self) -> int:
         return self.ready.max_model_len
+
+    @property
+    def num_request_states(self) -> int:
+        """Per-choice request states held (unfinished requests); 0 when idle, or it leaks."""
+        return len(self._processor.states)
 
     # -- requests ------------------------------------------------------------------------
 
@@ -272,6 +300,8 @@ class AsyncLLM:
         if tokenizer_error is not None:
             raise tokenizer_error
         nursery.start_soon(self._pump)
+        if self.config.watchdog_timeout:
+            nursery.start_soon(self._watchdog)
 
     def _tokenizer_path(self) -> str:
         return self.config.tokenizer or self.config.engine.worker.model
@@ -332,6 +362,15 @@ class AsyncLLM:
             else:
                 reader.release()
 
+    async def _watchdog(self) -> None:
+        """Declare the engine dead, and kill it, when its heartbeat stops (`_heartbeat`)."""
+        timeout = self.config.watchdog_timeout
+        still = await wait_heartbeat_stopped(self._outputs, timeout)
+        if self._dead is not None or self._exited.is_set():
+            return  # it died or exited anyway: the supervisor tells how
+        self._die(not_responding_error(self._process.pid, still, timeout))
+        self._process.kill()  # the supervisor reaps it; its workers die with it
+
     def _event(self, event: P.Event) -> None:
         if event.kind == "prompt_logprobs":
             state = self._processor.states.get(event.rnum)
@@ -350,6 +389,7 @@ class AsyncLLM:
         self._processor.fail_all(self._dead)
         for event, _ in self._utility_waiters.values():
             event.set()
+        self._died.set()
 
     async def _shutdown(self) -> None:
         """Drain the engine (bounded), then make sure it is gone and the rings are closed."""

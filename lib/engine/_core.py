@@ -76,7 +76,8 @@ class EngineCore:
         """Step until a SHUTDOWN is done: drained (or its deadline passed), or aborted."""
         while True:
             busy = self.scheduler.has_unfinished_requests() or self._needs_flush
-            self._drain_requests(block=not busy)
+            # Idle and draining: nothing is left to wait for (blocking here cost a 1 s poll).
+            self._drain_requests(block=not busy and self._draining_until is None)
             if self._draining_until is not None and time.monotonic() >= self._draining_until:
                 self._abort_all()
             if self.scheduler.has_unfinished_requests() or self._needs_flush:

@@ -3,8 +3,9 @@
 Started by the frontend (a fresh interpreter), it dies with its parent (a parent-death
 signal, checked against the parent pid it was given to close the race), ignores SIGINT (a
 terminal's Ctrl-C reaches the whole process group; the frontend decides how to shut down),
-attaches the two rings, starts the executor and runs the busy loop. Any exception becomes one
-DEAD record naming the root cause, then exit code 1.
+attaches the two rings, starts its heartbeat thread (`_heartbeat`), starts the executor and
+runs the busy loop. Any exception becomes one DEAD record naming the root cause, then exit
+code 1.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import traceback
 import msgspec
 
 from ..gpu import open_model
+from ..gpu._failure import raised_in
 from ..gpu._process import die_with_parent
 from ..transport_shm import RingReader, RingWriter
 from . import _protocol as P
@@ -24,6 +26,7 @@ from ._config import EngineArgs, EngineConfig
 from ._core import EngineCore
 from ._errors import RemoteError, WorkerDiedError
 from ._executor import Executor, NullExecutor, UniprocExecutor
+from ._heartbeat import Heartbeat
 
 
 def make_executor(config: EngineConfig) -> Executor:
@@ -48,7 +51,11 @@ def root_cause(exc: BaseException) -> RemoteError:
     if isinstance(exc, WorkerDiedError):
         return exc.error
     return RemoteError(
-        "engine", type(exc).__qualname__, str(exc), "".join(traceback.format_exception(exc))
+        "engine",
+        type(exc).__qualname__,
+        str(exc),
+        "".join(traceback.format_exception(exc)),
+        function=raised_in(exc),
     )
 
 
@@ -59,6 +66,7 @@ def main(argv: list[str]) -> int:
     with (
         RingReader.attach(args.request_ring) as requests,
         RingWriter.attach(args.output_ring) as outputs,
+        Heartbeat(outputs),  # from before the model loads: see `_heartbeat`
     ):
         executor: Executor | None = None
         try:

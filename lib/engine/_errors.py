@@ -20,6 +20,7 @@ class RemoteError(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
     traceback: str = ""
     exit_code: int | None = None
     signal: int | None = None
+    function: str = ""  # where the exception was raised: "Class.method (file.py:line)"
 
     def describe(self) -> str:
         """One line naming the cause: what raised or how the process ended, and where."""
@@ -35,7 +36,8 @@ class RemoteError(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
 
 def death_message(error: RemoteError) -> str:
     """The root cause in words: "engine process killed by signal 9 (SIGKILL)",
-    "RuntimeError in worker rank 1: <message>", "engine process exited with code 3"."""
+    "RuntimeError in worker rank 1, raised in Sampler.forward (_sampler.py:80): <message>",
+    "engine process exited with code 3"."""
     if error.signal is not None:
         try:
             name = f" ({signal.Signals(error.signal).name})"
@@ -43,7 +45,8 @@ def death_message(error: RemoteError) -> str:
             name = ""
         return f"{error.where} process killed by signal {error.signal}{name}"
     if error.exc_type:
-        return f"{error.exc_type} in {error.where}: {error.message}"
+        raised = f", raised in {error.function}" if error.function else ""
+        return f"{error.exc_type} in {error.where}{raised}: {error.message}"
     return f"{error.where} process exited with code {error.exit_code}"
 
 

@@ -54,6 +54,7 @@ def failure_error(failure: WorkerFailure) -> WorkerDiedError:
             failure.exc_type,
             failure.message,
             failure.traceback,
+            function=failure.function,
         )
     )
 

@@ -85,7 +85,7 @@ class _Rank:
         if self.failure is None:
             return RemoteError(where, exit_code=exit_code, signal=signal)
         f = self.failure
-        return RemoteError(where, f.exc_type, f.message, f.traceback, exit_code, signal)
+        return RemoteError(where, f.exc_type, f.message, f.traceback, exit_code, signal, f.function)
 
     def take_failures(self, *, drain: bool) -> None:
         """Read FAILURE records at the front of the result ring (or all records, if `drain`:

@@ -6,9 +6,12 @@ process (gpu) may not import the engine.
 
 from __future__ import annotations
 
+import os
 import traceback
 
 import msgspec
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 class WorkerFailure(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
@@ -18,6 +21,7 @@ class WorkerFailure(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     exc_type: str
     message: str
     traceback: str
+    function: str = ""  # `raised_in(exc)`
 
     @classmethod
     def from_exception(cls, rank: int, exc: BaseException) -> WorkerFailure:
@@ -26,7 +30,23 @@ class WorkerFailure(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
             type(exc).__qualname__,
             str(exc),
             "".join(traceback.format_exception(exc)),
+            raised_in(exc),
         )
+
+
+def raised_in(exc: BaseException) -> str:
+    """The function `exc` was raised in, as "Class.method (file.py:line)", or "".
+
+    The innermost frame in trillm's own code, else the innermost frame: an error inside torch
+    is raised many frames below the trillm function that called it, which says more.
+    """
+    frames = list(traceback.walk_tb(exc.__traceback__))
+    if not frames:
+        return ""
+    ours = [(f, line) for f, line in frames if f.f_code.co_filename.startswith(_PACKAGE_DIR)]
+    frame, line = (ours or frames)[-1]
+    code = frame.f_code
+    return f"{code.co_qualname} ({os.path.basename(code.co_filename)}:{line})"
 
 
 class InjectedFault(RuntimeError):

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ._model_config import ModelConfig, ModelConfigError
 
@@ -40,7 +40,7 @@ def iterate_safetensors(model_dir: Path) -> Weights:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                     yield name, f.get_tensor(name)
-        except (OSError, ValueError, RuntimeError) as exc:
+        except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
             if isinstance(exc, WeightsError):
                 raise
             raise WeightsError(f"cannot read {path}: {exc} (a corrupt or truncated file?)") from exc

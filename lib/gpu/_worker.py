@@ -101,7 +101,8 @@ class Worker:
             raise KVCacheTooSmallError(
                 f"the KV cache does not fit: one block of {self.config.block_size} tokens needs "
                 f"{per_block} bytes on rank {self.rank} and the budget is {budget} bytes; raise "
-                f"kv_cache_bytes (CPU) or gpu_memory_utilization (CUDA), or use a smaller model"
+                f"kv_cache_bytes (--kv-cache-memory-bytes, CPU) or gpu_memory_utilization "
+                f"(--gpu-memory-utilization, CUDA), or use a smaller model"
             )
         return int(blocks)
 

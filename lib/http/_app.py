@@ -3,13 +3,15 @@
 Every request: route, check the API key, read the body up to a limit (413 before buffering
 more), decode into a msgspec schema, run. Generation handlers watch `receive()` for the
 client's disconnect and cancel their stream, which aborts the request in the engine. Errors
-are OpenAI error objects; engine death becomes a 500 (or an error event in a stream).
+are OpenAI error objects; engine death becomes a 503 (or an error event in a stream).
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,9 +94,9 @@ class App:
         except RequestError as err:
             headers = [(k.encode(), v.encode()) for k, v in err.headers.items()]
             await self._respond(send, err.status, error_body(err), extra + headers)
-        except EngineDeadError as exc:
+        except EngineDeadError as exc:  # the server cannot serve (it exits soon): 503
             await self._respond(
-                send, 500, error_body(RequestError(500, str(exc), "server_error")), extra
+                send, 503, error_body(RequestError(503, str(exc), "server_error")), extra
             )
         except PromptTooLongError as exc:
             await self._respond(
@@ -114,7 +116,8 @@ class App:
             raise not_found(f"route {path}")
         if path != "/health" and self.config.api_key is not None:
             expected = f"Bearer {self.config.api_key}".encode()
-            if _header(scope, b"authorization") != expected:
+            # Constant time: the time taken must not tell a guesser how much of a key was right.
+            if not hmac.compare_digest(_header(scope, b"authorization") or b"", expected):
                 raise unauthorized()
         return handler
 
@@ -166,6 +169,9 @@ class App:
                 stats = await self.llm.utility("stats")
                 if isinstance(stats, dict):
                     self.metrics.set_engine_stats(stats)
+        self.metrics.set_frontend_state(
+            in_flight=self.generation.inflight, request_states=self.llm.num_request_states
+        )
         with trio.move_on_after(self.config.write_timeout):
             headers = [(b"content-type", self.metrics.content_type.encode()), *extra]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -199,25 +205,39 @@ class App:
         self, scope: Scope, receive: Receive, send: Send, extra: list[Any]
     ) -> None:
         request = decode_request(await self._read_body(scope, receive), CompletionRequest)
-        self._admit(request.model)
-        await self.generation.completions(request, receive, send, extra)
+        with self._admitted(request.model):
+            await self.generation.completions(request, receive, send, extra)
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
         request = decode_request(await self._read_body(scope, receive), ChatCompletionRequest)
-        self._admit(request.model)
-        await self.generation.chat(request, receive, send, extra)
+        with self._admitted(request.model):
+            await self.generation.chat(request, receive, send, extra)
 
-    def _admit(self, model: str | None) -> None:
+    @contextmanager
+    def _admitted(self, model: str | None) -> Iterator[None]:
+        """Admit a generation request or refuse it (404, 503 draining, 429 overloaded).
+
+        The request counts as in flight from this check to its end, with no checkpoint in
+        between: counted any later (after the response starts), a burst of requests all pass
+        the check before any of them is counted.
+        """
         if model is not None and model != self.config.served_model_name:
             raise not_found(
                 f"model {model!r} (this server serves {self.config.served_model_name!r})"
             )
+        if self.llm.error is not None:  # before a stream's 200 starts
+            raise RequestError(503, str(self.llm.error), "server_error")
         if self.generation.draining:
             raise RequestError(
                 503, "the server is shutting down", "server_error", headers={"Retry-After": "5"}
             )
         if self.generation.inflight >= self.config.max_queued_requests:
             raise overloaded(retry_after=1)
+        self.generation.inflight += 1
+        try:
+            yield
+        finally:
+            self.generation.inflight -= 1
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

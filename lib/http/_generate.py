@@ -23,6 +23,7 @@ from ._metrics import Metrics
 log = logging.getLogger("trillm.http")
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
+DRAINING_LAST_WRITE_S = 1.0  # a response's last writes once the server is shutting down
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 JSON = [(b"content-type", b"application/json")]
 
@@ -34,7 +35,7 @@ class Generation:
         self.llm = llm
         self.config = config
         self.metrics = metrics
-        self.inflight = 0
+        self.inflight = 0  # admitted generation requests (the app counts them)
         self.draining = False
         self._scopes: set[trio.CancelScope] = set()
 
@@ -109,7 +110,7 @@ class Generation:
                 n=params.n,
                 token_text=self._token_text,
             )
-        with trio.move_on_after(self.config.write_timeout):
+        with trio.move_on_after(self._last_write_timeout()):
             await send({"type": "http.response.start", "status": 200, "headers": JSON + extra})
             await send({"type": "http.response.body", "body": body})
 
@@ -192,7 +193,7 @@ class Generation:
         except Exception as exc:
             log.exception("internal error in a stream")
             error = RequestError(500, f"internal error: {exc}", "server_error")
-        with trio.move_on_after(self.config.write_timeout):
+        with trio.move_on_after(self._last_write_timeout()):
             if error is not None:
                 await write(S.sse(error_body(error)))
             elif request.include_usage:
@@ -232,6 +233,12 @@ class Generation:
 
     def _running(self, receive: Receive) -> Any:
         return _Running(self, receive)
+
+    def _last_write_timeout(self) -> float:
+        """Seconds for a response's last writes: short once draining, so a client that stopped
+        reading cannot hold the shutdown past its deadline (its request is already over)."""
+        timeout: float = self.config.write_timeout
+        return min(timeout, DRAINING_LAST_WRITE_S) if self.draining else timeout
 
     def _validated(
         self, prompts: list[str | list[int]], params: SamplingParams
@@ -295,7 +302,7 @@ class _Timing:
 
 
 class _Running:
-    """Counts the request in flight and cancels it when the client disconnects."""
+    """Cancels the request when the client disconnects, or at the drain deadline."""
 
     def __init__(self, generation: Generation, receive: Receive) -> None:
         self.generation = generation
@@ -305,7 +312,6 @@ class _Running:
 
     async def __aenter__(self) -> trio.CancelScope:
         generation = self.generation
-        generation.inflight += 1
         generation._scopes.add(self.scope)
         if generation.draining:
             self.scope.deadline = generation._drain_deadline
@@ -322,7 +328,6 @@ class _Running:
         finally:
             self._watcher.cancel()
             await self._nursery_cm.__aexit__(None, None, None)
-            self.generation.inflight -= 1
             self.generation._scopes.discard(self.scope)
         return bool(suppressed)
 

@@ -7,7 +7,9 @@ created without the `_total` suffix, which prometheus_client appends on exposure
 
 Per-request figures come from the frontend (`observe_request`); queue and cache figures come
 from the engine's `stats` utility (`set_engine_stats`), whose prefix-cache counters are
-cumulative in the engine: we add the difference since the last call.
+cumulative in the engine: we add the difference since the last call. The frontend's own
+request state (`set_frontend_state`) is exposed too, so a leak of an aborted request shows on
+either side of the ring (the reliability cases check both after thousands of disconnects).
 """
 
 from __future__ import annotations
@@ -78,6 +80,24 @@ class Metrics:
             _LABELS,
             registry=r,
         )
+        self.kv_cache_free_blocks = Gauge(
+            "trillm:kv_cache_free_blocks",
+            "KV-cache blocks no request holds (cached prefix blocks included).",
+            _LABELS,
+            registry=r,
+        )
+        self.http_requests_in_flight = Gauge(
+            "trillm:http_requests_in_flight",
+            "Generation requests admitted by the HTTP server and not yet answered.",
+            _LABELS,
+            registry=r,
+        )
+        self.frontend_request_states = Gauge(
+            "trillm:frontend_request_states",
+            "Per-choice request states the frontend holds (unfinished requests).",
+            _LABELS,
+            registry=r,
+        )
         self.prefix_cache_queries = Counter(
             "trillm:prefix_cache_queries", "Prefix-cache queries, in tokens.", _LABELS, registry=r
         )
@@ -115,6 +135,9 @@ class Metrics:
             self.num_requests_running,
             self.num_requests_waiting,
             self.kv_cache_usage,
+            self.kv_cache_free_blocks,
+            self.http_requests_in_flight,
+            self.frontend_request_states,
             self.prefix_cache_queries,
             self.prefix_cache_hits,
             self.prompt_tokens,
@@ -159,7 +182,8 @@ class Metrics:
     def set_engine_stats(self, stats: Mapping[str, object]) -> None:
         """Update from the engine's `stats` utility (its `SchedulerStats` as a dict).
 
-        Keys used: num_running, num_waiting, kv_usage (a fraction), prefix_cache_queries and
+        Keys used: num_running, num_waiting, kv_usage (a fraction), num_free_blocks,
+        prefix_cache_queries and
         prefix_cache_hits (cumulative token counts; a count lower than the last one means a
         new engine, counted from zero). Missing keys leave their metric as it is.
         """
@@ -168,6 +192,7 @@ class Metrics:
             ("num_running", self.num_requests_running),
             ("num_waiting", self.num_requests_waiting),
             ("kv_usage", self.kv_cache_usage),
+            ("num_free_blocks", self.kv_cache_free_blocks),
         ):
             value = stats.get(key)
             if isinstance(value, int | float):
@@ -183,6 +208,13 @@ class Metrics:
             last = self._last_engine_counters.get(key, 0)
             counter.labels(name).inc(total - last if total >= last else total)
             self._last_engine_counters[key] = total
+
+    def set_frontend_state(self, *, in_flight: int, request_states: int) -> None:
+        """Update the frontend's gauges: HTTP generation requests in flight, and the
+        per-choice states `AsyncLLM` holds (both 0 when idle, whatever went before)."""
+        name = self.model_name
+        self.http_requests_in_flight.labels(name).set(in_flight)
+        self.frontend_request_states.labels(name).set(request_states)
 
     def render(self) -> bytes:
         """The exposition text of every metric (serve with `CONTENT_TYPE`)."""

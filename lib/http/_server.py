@@ -3,6 +3,12 @@
 SIGINT/SIGTERM start a graceful shutdown: hypercorn stops accepting, in-flight requests get
 `--shutdown-timeout` to finish, the rest end with a shutdown error event; then the engine is
 drained and stopped. A second signal aborts at once.
+
+When the engine dies, open requests end with its cause at once, `/health` and new generation
+requests answer 503, and after `--engine-death-grace` seconds the server exits with the
+cause and a non-zero status, so a supervisor (systemd, Kubernetes) restarts it; with
+`--keep-alive-on-engine-death` it keeps answering 503 instead (vLLM's
+VLLM_KEEP_ALIVE_ON_ENGINE_DEATH), for whoever wants to restart it some other way.
 """
 
 from __future__ import annotations
@@ -14,14 +20,18 @@ from dataclasses import dataclass
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 
-from ..engine import EngineConfig, LLMConfig, open_llm
+from ..engine import EngineConfig, EngineDeadError, LLMConfig, open_llm
 from ..gpu import WorkerConfig
 from ._app import App, ServeConfig
+from ._connections import Connections
+from ._generate import DRAINING_LAST_WRITE_S
 from ._metrics import Metrics
 
 log = logging.getLogger("trillm.http")
+LISTEN_BACKLOG = 4096
+MAX_HEADER_BYTES = 16 << 10  # request line and headers (hypercorn's default, stated here)
+LAST_WRITES_S = 1.0  # after the grace: the most the last error events may take
 
 
 @dataclass(frozen=True)
@@ -32,23 +42,37 @@ class ServerConfig:
     port: int
     http: ServeConfig
     llm: LLMConfig
+    engine_death_grace: float = 5.0  # seconds of 503s between the engine's death and exiting
+    keep_alive_on_engine_death: bool = False  # never exit for the engine's death
 
 
 async def run_server(
     config: ServerConfig, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    """Start the engine, serve until a signal, shut down gracefully."""
+    """Start the engine, serve until a signal, shut down gracefully.
+
+    Raises:
+        EngineDeadError: the engine died (after the grace period, or at shutdown if kept
+            alive); the message names the root cause.
+    """
     async with open_llm(config.llm) as llm:
         app = App(llm, config.http, Metrics(config.http.served_model_name))
         hconfig = HypercornConfig()
         hconfig.bind = [f"{config.host}:{config.port}"]
-        hconfig.graceful_timeout = config.http.shutdown_timeout + 5
+        # In-flight requests end at the shutdown timeout, then have their last writes; then
+        # the connections still open are closed (a client that stopped reading holds none).
+        hconfig.graceful_timeout = config.http.shutdown_timeout + DRAINING_LAST_WRITE_S
         hconfig.accesslog = None
         hconfig.errorlog = None
         hconfig.keep_alive_timeout = 5
+        # A burst of connections beyond the accept queue is dropped by the kernel (the clients
+        # retry after 1, 3, 7 s...); the kernel caps this at net.core.somaxconn.
+        hconfig.backlog = LISTEN_BACKLOG
+        hconfig.h11_max_incomplete_size = MAX_HEADER_BYTES  # a longer head: 431, closed
         shutdown = trio.Event()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_signals, app, shutdown, nursery.cancel_scope)
+            nursery.start_soon(_exit_on_engine_death, app, config, nursery.cancel_scope)
             print(
                 f"trillm: serving {config.http.served_model_name} on "
                 f"http://{config.host}:{config.port}",
@@ -56,8 +80,37 @@ async def run_server(
                 flush=True,
             )
             task_status.started()
-            await hypercorn_serve(app, hconfig, shutdown_trigger=shutdown.wait)  # type: ignore[arg-type]
+            connections = Connections(write_timeout=config.http.write_timeout)
+            await connections.serve(app, hconfig, shutdown_trigger=shutdown.wait)
             nursery.cancel_scope.cancel()
+        if llm.error is not None:  # it died while serving (a shutdown has not begun yet)
+            raise EngineDeadError(llm.error.error)
+
+
+async def _exit_on_engine_death(
+    app: App, config: ServerConfig, everything: trio.CancelScope
+) -> None:
+    error = await app.llm.wait_dead()
+    if config.keep_alive_on_engine_death:
+        print(
+            f"trillm: {error}; still serving, every generation request gets 503 "
+            f"(--keep-alive-on-engine-death)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    grace = config.engine_death_grace
+    print(
+        f"trillm: {error}; exiting in {grace:g} s (--engine-death-grace); until then /health "
+        f"and new requests get 503",
+        file=sys.stderr,
+        flush=True,
+    )
+    await trio.sleep(grace)
+    with trio.move_on_after(LAST_WRITES_S):  # let open responses write their error events
+        while app.generation.inflight:
+            await trio.sleep(0.01)
+    everything.cancel()
 
 
 async def _watch_signals(app: App, shutdown: trio.Event, everything: trio.CancelScope) -> None:
@@ -84,9 +137,15 @@ def build_config(
     api_key: str | None,
     max_queued_requests: int,
     shutdown_timeout: float,
+    write_timeout: float = 30.0,
     stream_interval: int = 1,
     null_step_time: float = 0.0,
+    engine_death_grace: float = 5.0,
+    keep_alive_on_engine_death: bool = False,
+    engine_watchdog_timeout: float = 30.0,
 ) -> ServerConfig:
+    if engine_death_grace < 0:
+        raise ValueError(f"--engine-death-grace must be >= 0 seconds, got {engine_death_grace}")
     engine = EngineConfig(
         worker=worker,
         tensor_parallel_size=tensor_parallel_size,
@@ -102,7 +161,12 @@ def build_config(
             api_key=api_key,
             max_queued_requests=max_queued_requests,
             shutdown_timeout=shutdown_timeout,
+            write_timeout=write_timeout,
             stream_interval=max(1, stream_interval),
         ),
-        LLMConfig(engine, shutdown_timeout=shutdown_timeout),
+        LLMConfig(
+            engine, shutdown_timeout=shutdown_timeout, watchdog_timeout=engine_watchdog_timeout
+        ),
+        engine_death_grace=engine_death_grace,
+        keep_alive_on_engine_death=keep_alive_on_engine_death,
     )

@@ -6,9 +6,9 @@
     0        +----------------------------------------------------------------+
              | magic | version | capacity | num_readers |     (creator, once)  |
     128      +----------------------------------------------------------------+
-             | tail | waiting | closed | attached |       (the writer's line) |
+             | tail | waiting | closed | attached | heartbeat | (writer)       |
     256      +----------------------------------------------------------------+
-             | head | waiting | closed | attached |       (reader 0's line)   |
+             | head | waiting | closed | attached | heartbeat | (reader 0)     |
     256+128i | ... reader i's line ...                                        |
     H        +----------------------------------------------------------------+
              | data: `capacity` bytes (a power of two) of 8-byte-aligned      |
@@ -29,6 +29,9 @@ while the reader is waking up. A sleeping writer stores the head position every 
 pass before it rings (a quarter ring beyond what the record needs: a full ring drains a
 while before the writer wakes, instead of one system call per record); each reader rings
 once per such value.
+
+``heartbeat`` is a counter its owner bumps (`beat`) to show it is alive, from a thread of its
+own if it likes: a watchdog in the peer process declares it dead when the counter stops.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ WRAP: Final = 0xFFFF_FFFF  # kind of the wrap marker; not a user kind
 # u64 word indices inside the header.
 W_MAGIC, W_VERSION, W_CAPACITY, W_NUM_READERS = 0, 1, 2, 3
 W_TAIL = LINE // 8
-OFF_POSITION, OFF_WAITING, OFF_CLOSED, OFF_ATTACHED = 0, 1, 2, 3
+OFF_POSITION, OFF_WAITING, OFF_CLOSED, OFF_ATTACHED, OFF_HEARTBEAT = 0, 1, 2, 3, 4
 
 
 def reader_word(index: int) -> int:

@@ -257,6 +257,21 @@ class _RingEnd:
         if announce is not None and not self._closed:
             self._ctl[self._own_word + L.OFF_WAITING] = 0
 
+    # -- liveness --------------------------------------------------------------------------
+
+    def beat(self) -> None:
+        """Bump this end's heartbeat counter, for a watchdog in a peer process.
+
+        Safe from a thread of its own: the word has no other writer, and nothing else in
+        this end reads it.
+        """
+        word = self._own_word + L.OFF_HEARTBEAT
+        self._ctl[word] = (self._ctl[word] + 1) & 0xFFFF_FFFF_FFFF_FFFF
+
+    def heartbeat_of_writer(self) -> int:
+        """The writer's heartbeat counter now (it only changes while the writer is alive)."""
+        return int(self._ctl[L.W_TAIL + L.OFF_HEARTBEAT])
+
     # -- life ------------------------------------------------------------------------------
 
     def declare_peer_dead(self, reason: str) -> None:

@@ -37,25 +37,19 @@ class Server:
             return self.process.wait()
 
 
+def serve_command(model: Path | str, port: int, *args: str) -> list[str]:
+    """`trillm serve` of a test model on `port` (float32, a 32 MiB KV cache), plus `args`."""
+    return [
+        sys.executable, "-m", "trillm.cli", "serve", str(model), "--port", str(port),
+        "--served-model-name", "tiny", "--kv-cache-memory-bytes", str(1 << 25),
+        "--dtype", "float32", *args,
+    ]  # fmt: skip
+
+
 def start_server(model: Path, *args: str) -> Server:
     port = free_port()
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "trillm.cli",
-            "serve",
-            str(model),
-            "--port",
-            str(port),
-            "--served-model-name",
-            "tiny",
-            "--kv-cache-memory-bytes",
-            str(1 << 25),
-            "--dtype",
-            "float32",
-            *args,
-        ],
+        serve_command(model, port, *args),
         env=dict(os.environ),
     )
     base = f"http://127.0.0.1:{port}"

@@ -211,7 +211,7 @@ def test_sigterm_drains_open_streams_then_exits_0(tiny_model: Path) -> None:
 
 
 def test_engine_death_ends_streams_with_the_cause_and_turns_health_503(tiny_model: Path) -> None:
-    server = start_server(tiny_model)
+    server = start_server(tiny_model, "--keep-alive-on-engine-death")  # exiting: tests/faults
     try:
         (engine_pid,) = children(server.process.pid)
         lines: list[str] = []
@@ -227,7 +227,7 @@ def test_engine_death_ends_streams_with_the_cause_and_turns_health_503(tiny_mode
         assert "killed by signal 9 (SIGKILL)" in error["message"]
         assert httpx.get(f"{server.base_url}/health").status_code == 503
         r = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "x"}, timeout=30)
-        assert r.status_code == 500 and "SIGKILL" in r.json()["error"]["message"]
+        assert r.status_code == 503 and "SIGKILL" in r.json()["error"]["message"]
     finally:
         server.stop()
 

@@ -228,6 +228,21 @@ def test_declared_dead_peer_delivers_published_records_first(
         reader.peek(timeout=None)
 
 
+def test_the_writers_heartbeat_is_seen_by_the_reader_and_moves_nothing_else(
+    ring: tuple[RingWriter, RingReader],
+) -> None:
+    writer, reader = ring
+    assert reader.heartbeat_of_writer() == 0
+    beats = threading.Thread(target=lambda: [writer.beat() for _ in range(3)])
+    beats.start()
+    beats.join()
+    assert reader.heartbeat_of_writer() == 3
+    reader.beat()  # the reader's own word: not the writer's
+    assert reader.heartbeat_of_writer() == 3
+    writer.send(1, b"x", timeout=0)
+    assert reader.receive(timeout=0) == (1, b"x")
+
+
 def test_segment_is_0600_and_unlinked_after_handshake(shm_names: object) -> None:
     writer = RingWriter.create(4096)
     name = writer.address.name.lstrip("/")
