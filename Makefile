@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TEST_TIMEOUT ?= 3000
 
-.PHONY: venv test test-slow lint bench serve clean
+.PHONY: venv test test-slow lint bench compare serve clean
 
 venv: $(STAMP)
 
@@ -32,6 +32,10 @@ lint: venv
 
 bench: venv
 	$(PY) perf/transport_bench.py --json perf/results/transport_bench.json
+
+# trillm against `transformers serve --continuous-batching` (its venv, .venv-peer, is made once).
+compare: venv
+	$(PY) perf/compare.py --save-result perf/results/compare.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info lib/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -140,7 +140,7 @@ def bench(base: str, args: argparse.Namespace, concurrency: int, out: Path) -> d
     ]  # fmt: skip
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     result: dict[str, Any] = json.loads(out.read_text())
-    return result
+    return {k: v for k, v in result.items() if not isinstance(v, list)}  # aggregates only
 
 
 def measure(
@@ -180,7 +180,7 @@ def report(
         ratio = [ours[c][k] / peer[c][k] if peer[c][k] else float("nan") for k in METRICS]
         lines.append(f"{'':>14}{c:>4}" + "".join(f"{x:>10.3f}" for x in ratio))
     lines.append("")
-    lines.append(f"prefill compute floor: {floor_ms:.1f} ms")
+    lines.append(f"prefill compute floor: {floor_ms:.1f} ms (prompt FLOPs / best fp32 matmul rate)")
     for c in ours:
         lines.append(
             f"  c={c}: median TTFT trillm {ours[c]['median_ttft_ms']:.1f} ms = "
