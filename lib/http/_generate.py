@@ -212,22 +212,27 @@ class Generation:
         interval = self.config.stream_interval
         timing = _Timing(started)
         pending: dict[int, Output] = {}  # held until `stream_interval` tokens (or the end)
-        async with self.llm.generate(prompt, params) as stream:
-            async for output in stream:
-                timing.saw(output)
-                output.index += base
-                held = pending.get(output.index)
-                if held is not None:
-                    held.merge(output)
-                    output = held
-                if len(output.token_ids) < interval and not output.finished:
-                    pending[output.index] = output
-                    continue
-                pending.pop(output.index, None)
-                for data in chunker.chunks(output):
-                    await write(S.sse(data))
-                if output.finished:
-                    self._observe(output, timing)
+        finished = 0
+        try:
+            async with self.llm.generate(prompt, params) as stream:
+                async for output in stream:
+                    timing.saw(output)
+                    output.index += base
+                    held = pending.get(output.index)
+                    if held is not None:
+                        held.merge(output)
+                        output = held
+                    if len(output.token_ids) < interval and not output.finished:
+                        pending[output.index] = output
+                        continue
+                    pending.pop(output.index, None)
+                    for data in chunker.chunks(output):
+                        await write(S.sse(data))
+                    if output.finished:
+                        self._observe(output, timing)
+                        finished += 1
+        finally:  # a disconnect, a slow reader, a shutdown or an error ended the rest
+            self.metrics.count_aborted(params.n - finished)
 
     # -- shared --------------------------------------------------------------------------
 

@@ -179,6 +179,11 @@ class Metrics:
         self.generation_tokens.labels(name).inc(generation_tokens)
         self.request_success.labels(name, finished_reason).inc()
 
+    def count_aborted(self, choices: int) -> None:
+        """Count choices that ended without finishing (the client went away, or an error)."""
+        if choices > 0:
+            self.request_success.labels(self.model_name, "abort").inc(choices)
+
     def set_engine_stats(self, stats: Mapping[str, object]) -> None:
         """Update from the engine's `stats` utility (its `SchedulerStats` as a dict).
 
