@@ -6,6 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from trillm.gpu._cpu_linear import packed_linear_available
 
 PERF = Path(__file__).resolve().parents[2] / "perf"
 sys.path.insert(0, str(PERF))  # perf/ is scripts, not a package
@@ -32,7 +35,10 @@ def test_prompt_flops_count_linears_causal_attention_and_one_head_row() -> None:
 def test_matmul_rates_measure_both_libraries() -> None:
     rates = matmul_rates(1)
     assert rates["mkl"] > 1.0  # GFLOP/s: any machine that runs the tests does more
-    assert rates["onednn"] > 1.0
+    if packed_linear_available(torch.float32):  # x86 CPU builds of torch carry oneDNN
+        assert rates["onednn"] > 1.0
+    else:
+        assert rates["onednn"] == 0.0
 
 
 def test_report_prints_ratios_and_the_floor() -> None:
