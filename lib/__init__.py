@@ -14,8 +14,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "open_llm": "trillm.engine._async_llm",
     "AsyncLLM": "trillm.engine._async_llm",
-    "LLMConfig": "trillm.engine._async_llm",
-    "PromptTooLongError": "trillm.engine._async_llm",
+    "LLMConfig": "trillm.engine._config",
+    "PromptTooLongError": "trillm.engine._errors",
     "SamplingParams": "trillm.engine._sampling_params",
     "SamplingParamsError": "trillm.engine._sampling_params",
     "EngineConfig": "trillm.engine._config",

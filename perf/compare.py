@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from typing import Any
 
 import httpx
 import torch
+from host_overhead import free_port  # perf/ is scripts: the one next to this
 
 from trillm.gpu._cpu_linear import pack_weight, packed_linear, packed_linear_available
 
@@ -74,12 +74,6 @@ def prompt_gflops(config: dict[str, Any], n: int) -> float:
     linear = h * (q + 2 * kv) + q * h + 3 * h * config["intermediate_size"]
     attention = 2 * 2 * q * (n * (n + 1) // 2)  # q.k and p.v over the causal triangle
     return (2 * n * linear * layers + attention * layers + 2 * h * config["vocab_size"]) / 1e9
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def peer_venv(path: Path) -> Path:

@@ -3,12 +3,12 @@ trio frontend client (`open_llm`, `AsyncLLM`). Knows no HTTP (DESIGN.md §1, §6
 """
 
 from ._async_llm import AsyncLLM as AsyncLLM
-from ._async_llm import LLMConfig as LLMConfig
-from ._async_llm import PromptTooLongError as PromptTooLongError
 from ._async_llm import open_llm as open_llm
 from ._config import EngineConfig as EngineConfig
 from ._config import EngineConfigError as EngineConfigError
+from ._config import LLMConfig as LLMConfig
 from ._errors import EngineDeadError as EngineDeadError
+from ._errors import PromptTooLongError as PromptTooLongError
 from ._errors import RemoteError as RemoteError
 from ._errors import WorkerDiedError as WorkerDiedError
 from ._executor import Executor as Executor

@@ -15,7 +15,6 @@ import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -23,39 +22,16 @@ import numpy as np
 import trio
 
 from . import _protocol as P
-from ._config import EngineConfig
+from ._config import LLMConfig
 from ._detokenizer import IncrementalDetokenizer, StopChecker
-from ._errors import EngineDeadError, RemoteError
-from ._heartbeat import MIN_WATCHDOG_TIMEOUT, not_responding_error, wait_heartbeat_stopped
+from ._errors import EngineDeadError, PromptTooLongError, RemoteError
+from ._heartbeat import not_responding_error, wait_heartbeat_stopped
 from ._launch import EngineStartError, spawn_engine
 from ._output_processor import OutputProcessor, RequestState
 from ._outputs import Mailbox, Output
 from ._sampling_params import SamplingParams
 from ._step_record import StepView
 from ._streams import RequestStream, load_tokenizer, prompt_logprobs_output
-
-
-class PromptTooLongError(ValueError):
-    """The prompt plus max_tokens exceed the engine's max model length."""
-
-
-@dataclass(frozen=True)
-class LLMConfig:
-    """The frontend's configuration (the engine's is inside)."""
-
-    engine: EngineConfig
-    tokenizer: str | None = None  # default: the model directory
-    start_timeout: float = 600.0
-    shutdown_timeout: float = 30.0
-    # Seconds without the engine's heartbeat before it is declared dead and killed (0: never).
-    watchdog_timeout: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.watchdog_timeout != 0 and self.watchdog_timeout < MIN_WATCHDOG_TIMEOUT:
-            raise ValueError(
-                f"the engine watchdog timeout must be 0 (off) or at least "
-                f"{MIN_WATCHDOG_TIMEOUT} s (the heartbeat's jitter), got {self.watchdog_timeout}"
-            )
 
 
 class AsyncLLM:

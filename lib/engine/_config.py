@@ -1,11 +1,15 @@
-"""The engine process's configuration: parsed once at the edge, sent to the child as JSON."""
+"""Configuration: the engine process's (parsed once at the edge, sent to the child as JSON) and
+the frontend's `LLMConfig`, which wraps it."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import msgspec
 
 from ..gpu import WorkerConfig
 from ..transport_shm import RingAddress
+from ._heartbeat import MIN_WATCHDOG_TIMEOUT
 
 EXECUTORS = ("auto", "uni", "multiproc", "null")
 
@@ -51,3 +55,22 @@ class EngineArgs(msgspec.Struct, frozen=True):
     request_ring: RingAddress
     output_ring: RingAddress
     parent_pid: int
+
+
+@dataclass(frozen=True)
+class LLMConfig:
+    """The frontend's configuration (the engine's is inside)."""
+
+    engine: EngineConfig
+    tokenizer: str | None = None  # default: the model directory
+    start_timeout: float = 600.0
+    shutdown_timeout: float = 30.0
+    # Seconds without the engine's heartbeat before it is declared dead and killed (0: never).
+    watchdog_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.watchdog_timeout != 0 and self.watchdog_timeout < MIN_WATCHDOG_TIMEOUT:
+            raise ValueError(
+                f"the engine watchdog timeout must be 0 (off) or at least "
+                f"{MIN_WATCHDOG_TIMEOUT} s (the heartbeat's jitter), got {self.watchdog_timeout}"
+            )

@@ -74,3 +74,7 @@ class WorkerDiedError(RuntimeError):
     def __init__(self, error: RemoteError) -> None:
         super().__init__(error.describe())
         self.error = error
+
+
+class PromptTooLongError(ValueError):
+    """The prompt plus max_tokens exceed the engine's max model length."""

@@ -124,11 +124,11 @@ class App:
     async def _respond(
         self, send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
     ) -> None:
-        with trio.move_on_after(self.config.write_timeout):
-            await send(
-                {"type": "http.response.start", "status": status, "headers": JSON + (headers or [])}
-            )
-            await send({"type": "http.response.body", "body": body})
+        # Writes need no timeout here: the connection bounds them (`_connections.BoundedStream`).
+        await send(
+            {"type": "http.response.start", "status": status, "headers": JSON + (headers or [])}
+        )
+        await send({"type": "http.response.body", "body": body})
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.config.max_body_bytes
@@ -172,10 +172,9 @@ class App:
         self.metrics.set_frontend_state(
             in_flight=self.generation.inflight, request_states=self.llm.num_request_states
         )
-        with trio.move_on_after(self.config.write_timeout):
-            headers = [(b"content-type", self.metrics.content_type.encode()), *extra]
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
-            await send({"type": "http.response.body", "body": self.metrics.render()})
+        headers = [(b"content-type", self.metrics.content_type.encode()), *extra]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": self.metrics.render()})
 
     async def _tokenize(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
         request = decode_request(await self._read_body(scope, receive), TokenizeRequest)

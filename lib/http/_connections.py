@@ -69,15 +69,12 @@ class BoundedStream(trio.abc.HalfCloseableStream):
 
 
 class Connections:
-    """Serves an ASGI app and owns its open connections (`len()` is how many)."""
+    """Serves an ASGI app and owns its open connections."""
 
     def __init__(self, *, write_timeout: float) -> None:
         self.write_timeout = write_timeout
         self._open: set[BoundedStream] = set()
         self._closed = trio.lowlevel.ParkingLot()
-
-    def __len__(self) -> int:
-        return len(self._open)
 
     def abort_all(self) -> None:
         """Close every open connection now (their requests see a disconnect)."""
@@ -90,7 +87,6 @@ class Connections:
         config: HypercornConfig,
         *,
         shutdown_trigger: Callable[[], Awaitable[Any]],
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve `app` on `config.bind` until `shutdown_trigger()` returns.
 
@@ -111,7 +107,6 @@ class Connections:
                     accepting.start_soon(
                         partial(trio.serve_listeners, handler, listeners, handler_nursery=handlers)
                     )
-                    task_status.started()
                     await shutdown_trigger()
                     accepting.cancel_scope.cancel()
                 for listener in listeners:

@@ -164,10 +164,11 @@ class Generation:
         lock = trio.Lock()
         started = time.monotonic()
 
+        # No timeout here: the connection bounds its own writes (`_connections.BoundedStream`,
+        # `--write-timeout`); a client cut off for not reading is seen as a disconnect.
         async def write(data: bytes) -> None:
             async with lock:
-                with trio.fail_after(self.config.write_timeout):
-                    await send({"type": "http.response.body", "body": data, "more_body": True})
+                await send({"type": "http.response.body", "body": data, "more_body": True})
 
         # The validation is done: from here on every failure is an event in the stream.
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + extra})
@@ -188,8 +189,6 @@ class Generation:
                 return  # the client went away
         except EngineDeadError as exc:
             error = RequestError(500, str(exc), "server_error")
-        except trio.TooSlowError:
-            return  # the client stopped reading: give up on it
         except Exception as exc:
             log.exception("internal error in a stream")
             error = RequestError(500, f"internal error: {exc}", "server_error")

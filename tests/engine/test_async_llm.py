@@ -12,8 +12,15 @@ from pathlib import Path
 import pytest
 import trio
 
-from trillm.engine import EngineConfig, EngineDeadError, EngineStartError
-from trillm.engine._async_llm import AsyncLLM, LLMConfig, PromptTooLongError, open_llm
+from trillm.engine import (
+    AsyncLLM,
+    EngineConfig,
+    EngineDeadError,
+    EngineStartError,
+    LLMConfig,
+    PromptTooLongError,
+    open_llm,
+)
 from trillm.engine._sampling_params import SamplingParams
 from trillm.gpu import WorkerConfig
 

@@ -13,7 +13,6 @@ import signal
 import socket
 import struct
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ import httpx
 import trio
 
 from ..gpu.conftest import save_tiny
-from ..http.conftest import Server, free_port, serve_command
+from ..http.conftest import Server, free_port, serve_command, wait_healthy
 from ..procs import children
 
 _TINY: list[Path] = []
@@ -59,25 +58,10 @@ def serving(
     process = subprocess.Popen(command, env=dict(os.environ), umask=umask)
     server = Server(process, f"http://127.0.0.1:{port}")
     try:
-        _wait_healthy(server, start_timeout)
+        wait_healthy(process, server.base_url, start_timeout)
         yield server
     finally:
         _kill(process)
-
-
-def _wait_healthy(server: Server, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"the server exited during start-up ({server.process.returncode})")
-        try:
-            if httpx.get(f"{server.base_url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the server was not healthy in {timeout} s")
-        time.sleep(0.1)
 
 
 def _kill(process: subprocess.Popen[bytes]) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from ..http.conftest import free_port, serve_command
+from ..http.conftest import free_port, serve_command, wait_healthy
 from ..procs import children, is_dead
 from .http_harness import SSEReader, open_sse
 
@@ -97,7 +97,7 @@ def served(
     try:
         server.tree()
         if healthy:
-            wait_healthy(server, start_timeout)
+            wait_healthy(process, server.base_url, start_timeout, lambda: f":\n{server.output()}")
             server.tree()
         yield server
     finally:
@@ -105,22 +105,6 @@ def served(
         if sys.exc_info()[0] is not None:  # a failure: show what the server said
             print(f"--- trillm serve output ---\n{server.output()}", file=sys.stderr)
         os.unlink(log_name)
-
-
-def wait_healthy(server: Served, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if server.process.poll() is not None:
-            raise AssertionError(
-                f"the server exited during start-up ({server.process.returncode}):\n"
-                f"{server.output()}"
-            )
-        with suppress(httpx.HTTPError):
-            if httpx.get(f"{server.base_url}/health", timeout=1).status_code == 200:
-                return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the server was not healthy in {timeout} s:\n{server.output()}")
-        time.sleep(0.1)
 
 
 def kill_tree(server: Served) -> None:

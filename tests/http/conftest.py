@@ -6,7 +6,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,21 +49,34 @@ def serve_command(model: Path | str, port: int, *args: str) -> list[str]:
 
 def start_server(model: Path, *args: str) -> Server:
     port = free_port()
-    process = subprocess.Popen(
-        serve_command(model, port, *args),
-        env=dict(os.environ),
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    process = subprocess.Popen(serve_command(model, port, *args), env=dict(os.environ))
+    server = Server(process, f"http://127.0.0.1:{port}")
+    wait_healthy(process, server.base_url, 120)
+    return server
+
+
+def wait_healthy(
+    process: subprocess.Popen[bytes],
+    base_url: str,
+    timeout: float,
+    describe: Callable[[], str] = str,
+) -> None:
+    """Until `GET /health` answers 200; fails if the server exits or the time is up.
+
+    `describe()` adds to the failure's message (the server's output, when it was kept).
+    """
+    deadline = time.monotonic() + timeout
     while True:
-        assert process.poll() is None, "the server exited during start-up"
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return Server(process, base)
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the server did not become healthy"
-        time.sleep(0.2)
+        if process.poll() is not None:
+            raise AssertionError(
+                f"the server exited during start-up ({process.returncode}){describe()}"
+            )
+        with suppress(httpx.HTTPError):
+            if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the server was not healthy in {timeout} s{describe()}")
+        time.sleep(0.1)
 
 
 @pytest.fixture(scope="session")
