@@ -70,9 +70,9 @@ async def one(client: httpx.AsyncClient, base: str, max_tokens: int) -> int:
                 if line.startswith("data: {") and '"usage"' in line and '"choices":[]' in line:
                     tokens = json.loads(line[6:])["usage"]["completion_tokens"]
     except httpx.TransportError:
-        # Counted as failed. Seen at c = 1024: 1-2 of 2,048 requests on reused keep-alive
+        # Counted as failed. Seen at c = 1024: a few of 2,048 requests on reused keep-alive
         # connections closed by the server, probably hypercorn's 5 s idle timer firing while
-        # the saturated server had not yet read the next request (none in 4 runs with 75 s).
+        # the saturated server had not yet read the next request (not proven).
         return -1
     return tokens
 

@@ -1,0 +1,68 @@
+"""Where one prefill's time goes: linears, attention, the rest, against the compute floor.
+
+Runs a P-token prompt through trillm's model runner (the built-in SmolLM2-135M, float32, CPU)
+`--repeats` times, then once more per repeat under the torch profiler, and groups the
+profiler's self time: oneDNN/MKL linears, attention (SDPA), everything else. The floor is the
+prompt's FLOPs over the machine's best fp32 matmul rate, as `compare.py` computes it.
+
+    python perf/prefill_profile.py [--prompt-len 128] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+from compare import matmul_rates, prompt_gflops
+from model_bench import prompts, trillm_run
+from torch.profiler import profile
+
+from trillm.gpu import Worker, WorkerConfig
+from trillm.gpu._default_model import default_model_dir
+
+LINEAR = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm")
+ATTENTION = ("attention", "sdpa")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=7)
+    args = p.parse_args()
+    model = default_model_dir()
+    worker = Worker(WorkerConfig(str(model), device="cpu", dtype="float32", max_num_seqs=8))
+    worker.init_device()
+    worker.load_model()
+    worker.init_kv_cache(worker.num_available_kv_blocks())
+    vocab = worker.runner.model_config.vocab_size
+    batch = prompts(1, args.prompt_len, vocab)
+    trillm_run(worker, batch, 1)  # warm-up
+    times = [trillm_run(worker, batch, 1)[0] * 1e3 for _ in range(args.repeats)]
+    with profile() as prof:
+        for _ in range(args.repeats):
+            trillm_run(worker, batch, 1)
+    groups = {"linears": 0.0, "attention": 0.0, "other": 0.0}
+    for event in prof.key_averages():
+        ms = event.self_cpu_time_total / 1e3 / args.repeats
+        if event.key in LINEAR:
+            groups["linears"] += ms
+        elif any(word in event.key for word in ATTENTION):
+            groups["attention"] += ms
+        else:
+            groups["other"] += ms
+    config = json.loads((Path(model) / "config.json").read_text())
+    rate = max(matmul_rates(torch.get_num_threads()).values())
+    floor = prompt_gflops(config, args.prompt_len) / rate * 1e3
+    print(f"{args.prompt_len}-token prefill, {args.repeats} runs: median "
+          f"{statistics.median(times):.1f} ms, best {min(times):.1f} ms; "
+          f"floor {floor:.1f} ms at {rate:.0f} GFLOP/s")  # fmt: skip
+    print("profiled (self CPU time per prefill, the profiler adds its own): " + ", ".join(
+        f"{name} {ms:.1f} ms" for name, ms in groups.items()
+    ))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
