@@ -12,15 +12,15 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "open_llm": "trillm.engine._async_llm",
-    "AsyncLLM": "trillm.engine._async_llm",
-    "LLMConfig": "trillm.engine._config",
-    "PromptTooLongError": "trillm.engine._errors",
-    "SamplingParams": "trillm.engine._sampling_params",
-    "SamplingParamsError": "trillm.engine._sampling_params",
-    "EngineConfig": "trillm.engine._config",
-    "EngineDeadError": "trillm.engine._errors",
-    "EngineStartError": "trillm.engine._launch",
+    "open_llm": "trillm.engine.client._async_llm",
+    "AsyncLLM": "trillm.engine.client._async_llm",
+    "LLMConfig": "trillm.engine.client._config",
+    "PromptTooLongError": "trillm.engine.client._errors",
+    "SamplingParams": "trillm.engine.client._sampling_params",
+    "SamplingParamsError": "trillm.engine.client._sampling_params",
+    "EngineConfig": "trillm.engine.protocol._config",
+    "EngineDeadError": "trillm.engine.client._errors",
+    "EngineStartError": "trillm.engine.client._launch",
     "WorkerConfig": "trillm.gpu._config",
     "default_model_dir": "trillm.gpu._default_model",
 }

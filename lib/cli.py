@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return serve_main(args)
         except Exception as exc:
-            from .engine import EngineDeadError, EngineStartError
+            from .engine.client import EngineDeadError, EngineStartError
 
             if isinstance(exc, EngineStartError | EngineDeadError | ValueError):
                 print(f"trillm serve: {exc}", file=sys.stderr)

@@ -21,8 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.engine.client import GREEDY, EngineClient  # noqa: E402 - the tests' engine client
-from trillm.engine._config import EngineConfig  # noqa: E402
+from tests.engine.core.ring_client import GREEDY, EngineClient  # noqa: E402 - the tests' engine client
+from trillm.engine.protocol._config import EngineConfig  # noqa: E402
 from trillm.gpu import WorkerConfig  # noqa: E402
 
 STEPS = {1: 40000, 64: 8000, 256: 3000, 1024: 1000}  # about a second each, here

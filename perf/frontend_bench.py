@@ -24,10 +24,10 @@ import msgspec
 import numpy as np
 import trio
 
-from trillm.engine._detokenizer import IncrementalDetokenizer, StopChecker
-from trillm.engine._output_processor import OutputProcessor, RequestState
-from trillm.engine._outputs import Mailbox
-from trillm.engine._step_record import StepView, write_step
+from trillm.engine.client._detokenizer import IncrementalDetokenizer, StopChecker
+from trillm.engine.client._output_processor import OutputProcessor, RequestState
+from trillm.engine.client._outputs import Mailbox
+from trillm.engine.protocol._step_record import StepView, write_step
 from trillm.transport_shm import RingAddress, RingReader, RingWriter
 
 TEXT = (Path(__file__).resolve().parents[1] / "README.md").read_text() * 4

@@ -1,8 +1,16 @@
-"""The package layering of DESIGN.md §1, enforced: who may import whom inside trillm."""
+"""The package layering of DESIGN.md §1, enforced: who may import whom inside trillm.
+
+Two kinds of rule. Between packages: `transport_shm` <- `gpu` <- `engine` <- `http`. Inside
+`engine`, by process: `core` (the engine process) and `client` (the frontend process) never
+import each other and meet only in `protocol`, the wire they share; the frontend starts the
+engine by its entry point's name, never by importing it; `http` sees only the client's
+public names.
+"""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -16,41 +24,108 @@ FORBIDDEN = {
     "engine": {"http"},
 }
 
+# engine sub-package -> the engine sub-packages it must never import
+FORBIDDEN_IN_ENGINE = {
+    "core": {"client"},
+    "client": {"core"},
+    "protocol": {"client", "core"},
+}
 
-def trillm_imports(path: Path, package: str, lib: Path = LIB) -> set[str]:
-    """The top-level trillm packages that the module at `path` imports."""
-    found = set()
-    depth_of_module = len(path.relative_to(lib).parts) - 1  # 1 for lib/engine/x.py
+
+def import_targets(path: Path, lib: Path = LIB) -> set[str]:
+    """Everything of trillm's that the module at `path` imports, as dotted names.
+
+    `from ..protocol import _messages as P` in lib/engine/core/x.py gives
+    "trillm.engine.protocol._messages"; `from trillm.engine import AsyncLLM` gives
+    "trillm.engine.AsyncLLM"; `import trillm.http` gives "trillm.http".
+    """
+    found: set[str] = set()
+    parts_of_module = path.relative_to(lib).parts
+    package = ["trillm", *parts_of_module[:-1]]  # lib/engine/core/x.py -> trillm.engine.core
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
+            found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level == 0:
-                names = [node.module or ""]
+                base = (node.module or "").split(".")
             else:
-                up = depth_of_module - (node.level - 1)
-                base = list(path.relative_to(lib).parts[:up])
-                module = (node.module or "").split(".") if node.module else []
-                parts = base + module
-                if not parts:  # `from .. import engine`
-                    parts = [alias.name for alias in node.names][:1]
-                names = ["trillm." + ".".join(parts)]
-        else:
-            continue
-        for name in names:
-            if name.startswith("trillm."):
-                found.add(name.split(".")[1])
-    return found - {package}
+                base = package[: len(package) - (node.level - 1)]
+                base += node.module.split(".") if node.module else []
+            found.update(".".join([*base, alias.name]) for alias in node.names)
+    return {name for name in found if name.startswith("trillm.")}
+
+
+def trillm_imports(path: Path, package: str, lib: Path = LIB) -> set[str]:
+    """The top-level trillm packages (other than `package`) that the module imports."""
+    return {name.split(".")[1] for name in import_targets(path, lib)} - {package}
+
+
+def engine_imports(path: Path, sub: str, lib: Path = LIB) -> set[str]:
+    """The engine sub-packages (other than `sub`) that a module of lib/engine/SUB imports."""
+    return {
+        name.split(".")[2]
+        for name in import_targets(path, lib)
+        if name.startswith("trillm.engine.") and len(name.split(".")) >= 3
+    } - {sub}
+
+
+def is_public_client_name(target: str) -> bool:
+    """`trillm.engine.client.X` or `trillm.engine.X`, X a public name (not core, protocol)."""
+    parts = target.split(".")
+    if parts[:3] == ["trillm", "engine", "client"]:
+        return len(parts) == 4 and not parts[3].startswith("_")
+    return len(parts) == 3 and not parts[2].startswith("_") and parts[2] not in ("core", "protocol")
+
+
+def modules(package: str) -> list[Path]:
+    return sorted((LIB / package).rglob("*.py"))
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_package_imports_respect_the_layering(package: str) -> None:
     violations = []
-    for path in sorted((LIB / package).rglob("*.py")):
+    for path in modules(package):
         bad = trillm_imports(path, package) & FORBIDDEN[package]
         if bad:
             violations.append(f"{path.relative_to(LIB)} imports {sorted(bad)}")
     assert not violations, "layering broken (DESIGN.md §1): " + "; ".join(violations)
+
+
+@pytest.mark.parametrize("sub", sorted(FORBIDDEN_IN_ENGINE))
+def test_engine_process_code_and_frontend_code_meet_only_in_the_protocol(sub: str) -> None:
+    violations = []
+    for path in modules(f"engine/{sub}"):
+        bad = engine_imports(path, sub) & FORBIDDEN_IN_ENGINE[sub]
+        if bad:
+            violations.append(f"{path.relative_to(LIB)} imports engine.{sorted(bad)}")
+    assert not violations, "process boundary broken (DESIGN.md §1): " + "; ".join(violations)
+
+
+def test_every_engine_module_lives_in_the_folder_of_its_process() -> None:
+    loose = [p.name for p in (LIB / "engine").glob("*.py") if p.name != "__init__.py"]
+    assert not loose, f"lib/engine/ modules outside client/, core/, protocol/: {loose}"
+    assert {p.name for p in (LIB / "engine").iterdir() if p.is_dir()} - {"__pycache__"} == set(
+        FORBIDDEN_IN_ENGINE
+    )
+
+
+def test_http_sees_only_the_clients_public_names() -> None:
+    violations = []
+    for path in modules("http"):
+        for target in sorted(import_targets(path)):
+            if target.startswith("trillm.engine") and not is_public_client_name(target):
+                violations.append(f"{path.relative_to(LIB)} imports {target}")
+    assert not violations, "http reaches past the engine client: " + "; ".join(violations)
+
+
+def test_the_frontend_starts_the_engine_by_its_entry_point_name() -> None:
+    from trillm.engine.protocol._messages import ENGINE_MAIN
+
+    assert ENGINE_MAIN == "trillm.engine.core"
+    spec = importlib.util.find_spec(ENGINE_MAIN + ".__main__")
+    assert spec is not None and spec.origin == str(LIB / "engine" / "core" / "__main__.py")
+    launch = (LIB / "engine" / "client" / "_launch.py").read_text()
+    assert "ENGINE_MAIN" in launch and "trillm.engine.core" not in launch
 
 
 def test_the_checker_sees_relative_and_absolute_imports(tmp_path: Path) -> None:
@@ -58,6 +133,29 @@ def test_the_checker_sees_relative_and_absolute_imports(tmp_path: Path) -> None:
     module.parent.mkdir()
     module.write_text("from ..engine import x\nimport trillm.http.app\nfrom . import _ring\n")
     assert trillm_imports(module, "transport_shm", tmp_path) == {"engine", "http"}
+    nested = tmp_path / "engine" / "client" / "_probe.py"
+    nested.parent.mkdir(parents=True)
+    nested.write_text(
+        "from ..protocol import _messages as P\nfrom ..core._request import Request\n"
+        "from ...gpu import WorkerConfig\nfrom . import _outputs\nimport trillm.engine.core\n"
+    )
+    assert engine_imports(nested, "client", tmp_path) == {"protocol", "core"}
+    assert import_targets(nested, tmp_path) == {
+        "trillm.engine.protocol._messages",
+        "trillm.engine.core._request.Request",
+        "trillm.gpu.WorkerConfig",
+        "trillm.engine.client._outputs",
+        "trillm.engine.core",
+    }
+
+
+def test_the_http_rule_tells_public_names_from_private_ones() -> None:
+    assert is_public_client_name("trillm.engine.client.AsyncLLM")
+    assert is_public_client_name("trillm.engine.Output")
+    assert not is_public_client_name("trillm.engine.client._async_llm")
+    assert not is_public_client_name("trillm.engine.core")
+    assert not is_public_client_name("trillm.engine.protocol.EngineConfig")
+    assert not is_public_client_name("trillm.engine._protocol")
 
 
 def test_no_top_level_http_package_shadows_the_stdlib() -> None:

@@ -1,28 +1,35 @@
-"""Engine: scheduler, KV-cache manager, busy loop, executors, the engine process, and the
-trio frontend client (`open_llm`, `AsyncLLM`). Knows no HTTP (DESIGN.md §1, §6, §8).
+"""Engine: the frontend's client and the engine process, split by the process they run in.
+
+- `client/`: runs in the frontend (API-server) process: `open_llm`, `AsyncLLM`, output
+  processing, detokenisation, the engine's launch and watchdog.
+- `core/`: runs in the engine process: busy loop, scheduler, KV-cache manager, executors.
+- `protocol/`: the wire both speak (message kinds, STEP record, config, `RemoteError`).
+
+`core` and `client` never import each other (`tests/test_layering.py`). This package's names
+are the public ones of all three. Knows no HTTP (DESIGN.md §1, §6, §8).
 """
 
-from ._async_llm import AsyncLLM as AsyncLLM
-from ._async_llm import open_llm as open_llm
-from ._config import EngineConfig as EngineConfig
-from ._config import EngineConfigError as EngineConfigError
-from ._config import LLMConfig as LLMConfig
-from ._errors import EngineDeadError as EngineDeadError
-from ._errors import PromptTooLongError as PromptTooLongError
-from ._errors import RemoteError as RemoteError
-from ._errors import WorkerDiedError as WorkerDiedError
-from ._executor import Executor as Executor
-from ._executor import NullExecutor as NullExecutor
-from ._executor import UniprocExecutor as UniprocExecutor
-from ._launch import EngineStartError as EngineStartError
-from ._outputs import Output as Output
-from ._outputs import TokenLogprob as TokenLogprob
-from ._request import FinishReason as FinishReason
-from ._request import Request as Request
-from ._sampling_params import SamplingParams as SamplingParams
-from ._sampling_params import SamplingParamsError as SamplingParamsError
-from ._scheduler import Scheduler as Scheduler
-from ._scheduler import SchedulerConfig as SchedulerConfig
-from ._scheduler import StepResult as StepResult
-from ._step_record import StepView as StepView
-from ._streams import RequestStream as RequestStream
+from .client import AsyncLLM as AsyncLLM
+from .client import EngineDeadError as EngineDeadError
+from .client import EngineStartError as EngineStartError
+from .client import LLMConfig as LLMConfig
+from .client import Output as Output
+from .client import PromptTooLongError as PromptTooLongError
+from .client import RequestStream as RequestStream
+from .client import SamplingParams as SamplingParams
+from .client import SamplingParamsError as SamplingParamsError
+from .client import TokenLogprob as TokenLogprob
+from .client import open_llm as open_llm
+from .core import Executor as Executor
+from .core import NullExecutor as NullExecutor
+from .core import Request as Request
+from .core import Scheduler as Scheduler
+from .core import SchedulerConfig as SchedulerConfig
+from .core import StepResult as StepResult
+from .core import UniprocExecutor as UniprocExecutor
+from .core import WorkerDiedError as WorkerDiedError
+from .protocol import EngineConfig as EngineConfig
+from .protocol import EngineConfigError as EngineConfigError
+from .protocol import FinishReason as FinishReason
+from .protocol import RemoteError as RemoteError
+from .protocol import StepView as StepView

@@ -18,7 +18,7 @@ from typing import Any
 import trio
 
 from .. import __version__
-from ..engine import AsyncLLM, EngineDeadError, PromptTooLongError
+from ..engine.client import AsyncLLM, EngineDeadError, PromptTooLongError
 from ._errors import RequestError, error_body, not_found, overloaded, too_large, unauthorized
 from ._generate import Generation
 from ._metrics import Metrics

@@ -15,7 +15,7 @@ from typing import Any
 
 import trio
 
-from ..engine import AsyncLLM, EngineDeadError, Output, SamplingParams
+from ..engine.client import AsyncLLM, EngineDeadError, Output, SamplingParams
 from . import _schemas as S
 from ._errors import RequestError, error_body
 from ._metrics import Metrics

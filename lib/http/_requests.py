@@ -15,7 +15,7 @@ from typing import Annotated, Any, TypeVar, cast
 
 import msgspec
 
-from ..engine import SamplingParams, SamplingParamsError
+from ..engine.client import SamplingParams, SamplingParamsError
 from ._errors import RequestError
 
 S = TypeVar("S", bound=msgspec.Struct)

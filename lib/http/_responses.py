@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
-from ..engine import Output, TokenLogprob
+from ..engine.client import Output, TokenLogprob
 
 TokenText = Callable[[int], str]  # a token id's text, for logprobs (the tokenizer's)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import trio
 from hypercorn.config import Config as HypercornConfig
 
-from ..engine import EngineConfig, EngineDeadError, LLMConfig, open_llm
+from ..engine.client import EngineConfig, EngineDeadError, LLMConfig, open_llm
 from ..gpu import WorkerConfig
 from ._app import App, ServeConfig
 from ._connections import Connections

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from ..engine import Output, TokenLogprob
+from ..engine.client import Output, TokenLogprob
 from ._responses import (
     EchoPrompt,
     ResponseMeta,

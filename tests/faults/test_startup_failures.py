@@ -3,7 +3,7 @@
 A missing model, a corrupt (truncated) safetensors file, and a KV cache that does not fit.
 The three start concurrently: each is a few seconds of fresh interpreters importing torch,
 and they do not interact. (A KV cache too small for one request of the maximum length is
-refused the same way, by the scheduler's config: tests/engine.)
+refused the same way, by the scheduler's config: tests/engine/core.)
 """
 
 from __future__ import annotations

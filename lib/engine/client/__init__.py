@@ -1,0 +1,21 @@
+"""The frontend's engine client: `open_llm`, `AsyncLLM`, streams, detokenisation (DESIGN.md §8).
+
+Everything here runs in the API-server process. It starts the engine process by its entry
+point name and speaks to it only through `..protocol`; it imports nothing from `..core`.
+"""
+
+from ..protocol import EngineConfig as EngineConfig
+from ..protocol import EngineConfigError as EngineConfigError
+from ..protocol import FinishReason as FinishReason
+from ..protocol import RemoteError as RemoteError
+from ._async_llm import AsyncLLM as AsyncLLM
+from ._async_llm import open_llm as open_llm
+from ._config import LLMConfig as LLMConfig
+from ._errors import EngineDeadError as EngineDeadError
+from ._errors import PromptTooLongError as PromptTooLongError
+from ._launch import EngineStartError as EngineStartError
+from ._outputs import Output as Output
+from ._outputs import TokenLogprob as TokenLogprob
+from ._sampling_params import SamplingParams as SamplingParams
+from ._sampling_params import SamplingParamsError as SamplingParamsError
+from ._streams import RequestStream as RequestStream

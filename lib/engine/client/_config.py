@@ -1,0 +1,28 @@
+"""The frontend's configuration: `LLMConfig` wraps the engine's and adds what only the frontend
+process uses (tokenizer, start and shutdown deadlines, the watchdog)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..protocol._config import EngineConfig
+from ..protocol._messages import MIN_WATCHDOG_TIMEOUT
+
+
+@dataclass(frozen=True)
+class LLMConfig:
+    """The frontend's configuration (the engine's is inside)."""
+
+    engine: EngineConfig
+    tokenizer: str | None = None  # default: the model directory
+    start_timeout: float = 600.0
+    shutdown_timeout: float = 30.0
+    # Seconds without the engine's heartbeat before it is declared dead and killed (0: never).
+    watchdog_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.watchdog_timeout != 0 and self.watchdog_timeout < MIN_WATCHDOG_TIMEOUT:
+            raise ValueError(
+                f"the engine watchdog timeout must be 0 (off) or at least "
+                f"{MIN_WATCHDOG_TIMEOUT} s (the heartbeat's jitter), got {self.watchdog_timeout}"
+            )

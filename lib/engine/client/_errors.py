@@ -1,0 +1,27 @@
+"""The frontend's errors, named by cause: the engine died, a prompt does not fit."""
+
+from __future__ import annotations
+
+from ..protocol._errors import RemoteError, death_message
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in another process, as text (the `__cause__`)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine died: every open request and every later call raises this.
+
+    The message names the root cause; `error` holds it whole, and a remote traceback, when
+    there is one, is attached as `__cause__`.
+    """
+
+    def __init__(self, error: RemoteError) -> None:
+        super().__init__(f"the engine died: {death_message(error)}")
+        self.error = error
+        if error.traceback:
+            self.__cause__ = RemoteTraceback(error.traceback)
+
+
+class PromptTooLongError(ValueError):
+    """The prompt plus max_tokens exceed the engine's max model length."""

@@ -1,0 +1,149 @@
+"""The output pump's per-step work: one pass over a STEP record's columns.
+
+Per row: append the tokens, detokenise incrementally, check stop strings (holding back text
+that could still become one), finish, and put the new output into the request's mailbox.
+Mailboxes are woken together after the pass. Requests that a stop string ended are returned,
+so the caller aborts them in the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ..protocol._step_record import StepView
+from ._detokenizer import IncrementalDetokenizer, StopChecker
+from ._outputs import FINISH_REASONS, Mailbox, Output, TokenLogprob
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    """The frontend's copy of one (child) request: authoritative for its client."""
+
+    rnum: int
+    index: int
+    mailbox: Mailbox
+    detokenizer: IncrementalDetokenizer
+    stop: StopChecker | None
+    num_prompt_tokens: int
+    logprobs: int | None  # top logprobs wanted per token, or None
+    arrival_time: float
+    prompt_token_ids: list[int] = field(default_factory=list)
+    num_output_tokens: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished: bool = False
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class FrontendStats:
+    """Aggregated counters for metrics."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+    time_to_first_token: list[float] = field(default_factory=list)
+    inter_token_latency: list[float] = field(default_factory=list)
+
+
+class OutputProcessor:
+    """Fans each STEP record out to the requests it names."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, RequestState] = {}
+        self.stats = FrontendStats()
+
+    def process_step(self, view: StepView) -> list[int]:
+        """Apply one STEP record; returns rnums that a stop string finished (to abort)."""
+        now = time.monotonic()
+        states = self.states
+        offsets = view.tok_offsets.tolist()
+        tokens = view.tokens.tolist()
+        finish = view.finish.tolist() if view.num_finished else None
+        cached = None if view.num_cached_tokens is None else view.num_cached_tokens.tolist()
+        to_wake: list[Mailbox] = []
+        to_abort: list[int] = []
+        for i, rnum in enumerate(view.rnums.tolist()):
+            state = states.get(rnum)
+            if state is None:  # aborted by us: the engine's last words about it
+                continue
+            new = tokens[offsets[i] : offsets[i + 1]]
+            text = state.detokenizer.push(new) if new else ""
+            reason = FINISH_REASONS.get(finish[i]) if finish is not None else None
+            if reason is not None:  # release a held, incomplete character as decode would
+                text += state.detokenizer.flush()
+            stop_reason: str | int | None = None
+            if state.stop is not None:
+                text, stopped = state.stop.feed(text)
+                if stopped:
+                    if reason is None:
+                        to_abort.append(rnum)
+                    reason, stop_reason = "stop", state.stop.stop_string
+                elif reason is not None:
+                    text += state.stop.flush()
+            if reason == "stop" and stop_reason is None and new:
+                stop_reason = new[-1]
+            output = Output(
+                state.index,
+                text,
+                new,
+                reason,
+                stop_reason,
+                self._logprobs(view, state, offsets[i], len(new))
+                if state.logprobs is not None
+                else None,
+                state.num_prompt_tokens,
+                state.num_output_tokens + len(new),
+                cached[i] if cached is not None else 0,
+            )
+            self._account(state, len(new), now)
+            state.token_ids += new
+            if reason is not None:
+                state.finished = True
+                del states[rnum]
+                self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+            if state.mailbox.put(output):
+                to_wake.append(state.mailbox)
+        for mailbox in to_wake:
+            mailbox.wake()
+        return to_abort
+
+    def _account(self, state: RequestState, num_tokens: int, now: float) -> None:
+        if not num_tokens:
+            return
+        if state.first_token_time is None:
+            state.first_token_time = now
+            self.stats.time_to_first_token.append(now - state.arrival_time)
+        elif state.last_token_time is not None:
+            self.stats.inter_token_latency.append((now - state.last_token_time) / num_tokens)
+        state.last_token_time = now
+        state.num_output_tokens += num_tokens
+        self.stats.generation_tokens += num_tokens
+
+    @staticmethod
+    def _logprobs(
+        view: StepView, state: RequestState, start: int, count: int
+    ) -> list[TokenLogprob]:
+        k = min(state.logprobs or 0, view.topk)
+        out = []
+        for t in range(start, start + count):
+            logprob = float(view.logprobs[t]) if view.logprobs is not None else 0.0
+            top: list[tuple[int, float]] = []
+            if k and view.topk_ids is not None and view.topk_logprobs is not None:
+                top = list(
+                    zip(
+                        view.topk_ids[t, :k].tolist(),
+                        view.topk_logprobs[t, :k].tolist(),
+                        strict=True,
+                    )
+                )
+            out.append(TokenLogprob(int(view.tokens[t]), logprob, top))
+        return out
+
+    def fail_all(self, error: BaseException) -> None:
+        """Every open request raises `error`: one synchronous pass, then the wake-ups."""
+        to_wake = [s.mailbox for s in self.states.values() if s.mailbox.fail(error)]
+        self.states.clear()
+        for mailbox in to_wake:
+            mailbox.wake()

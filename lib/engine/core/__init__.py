@@ -1,0 +1,14 @@
+"""The engine process: busy loop, scheduler, KV-cache manager, executors (DESIGN.md §6).
+
+Everything here runs in the engine process (and its worker processes at TP > 1). It speaks to
+the frontend only through `..protocol` over the rings, and imports nothing from `..client`.
+"""
+
+from ._errors import WorkerDiedError as WorkerDiedError
+from ._executor import Executor as Executor
+from ._executor import NullExecutor as NullExecutor
+from ._executor import UniprocExecutor as UniprocExecutor
+from ._request import Request as Request
+from ._scheduler import Scheduler as Scheduler
+from ._scheduler import SchedulerConfig as SchedulerConfig
+from ._scheduler import StepResult as StepResult

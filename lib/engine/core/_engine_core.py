@@ -1,0 +1,222 @@
+"""The engine's busy loop (DESIGN.md §6): one thread, one STEP record per step.
+
+Idle, it sleeps on the request ring's doorbell (waking once a second to check the workers'
+health). Busy, each iteration drains the request ring (ADD, ABORT, UTILITY, SHUTDOWN),
+schedules, executes, drains again (so aborts that arrived during the forward drop their
+tokens), updates, and writes one STEP record for every request that moved.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import msgspec
+import numpy as np
+
+from ...transport_shm import BusyError, RingReader, RingWriter
+from ..protocol import _messages as P
+from ..protocol._config import EngineConfig
+from ..protocol._step_record import FinishReason, write_step
+from ._executor import Executor
+from ._request import Request
+from ._scheduler import InvalidRequestError, Scheduler, SchedulerConfig, StepResult
+
+IDLE_POLL_S = 1.0
+
+
+class EngineCore:
+    """Owns the scheduler and the executor; talks to the frontend only through the rings."""
+
+    def __init__(
+        self, config: EngineConfig, requests: RingReader, outputs: RingWriter, executor: Executor
+    ) -> None:
+        self.config = config
+        self.requests = requests
+        self.outputs = outputs
+        self.executor = executor
+        self.step = 0
+        self._encoder = msgspec.msgpack.Encoder()
+        self._add_decoder = msgspec.msgpack.Decoder(P.AddHeader)
+        self._utility_decoder = msgspec.msgpack.Decoder(P.UtilityCall)
+        self._shutdown_decoder = msgspec.msgpack.Decoder(P.Shutdown)
+        self._draining_until: float | None = None
+        self._needs_flush = False  # aborts to report even if nothing else runs
+        self._rejected: list[int] = []  # invalid ADDs: reported as ERROR rows
+
+    def start(self) -> None:
+        """Executor (weights) -> KV cache size -> scheduler -> READY (DESIGN.md §6)."""
+        num_blocks = self.executor.initialize()
+        worker = self.config.worker
+        model = self.executor.model_config
+        self.max_model_len = self.executor.max_model_len
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=num_blocks,
+                block_size=worker.block_size,
+                max_num_seqs=worker.max_num_seqs,
+                max_num_batched_tokens=worker.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_prefix_caching=self.config.enable_prefix_caching,
+            )
+        )
+        self.eos_token_id = model.eos_token_ids[0] if model.eos_token_ids else None
+        ready = P.Ready(
+            num_blocks,
+            worker.block_size,
+            self.max_model_len,
+            model.vocab_size,
+            list(model.eos_token_ids),
+            model.bos_token_id,
+            os.getpid(),
+        )
+        self.outputs.send(P.READY, self._encoder.encode(ready), timeout=self.config.output_timeout)
+
+    def run(self) -> None:
+        """Step until a SHUTDOWN is done: drained (or its deadline passed), or aborted."""
+        while True:
+            busy = self.scheduler.has_unfinished_requests() or self._needs_flush
+            # Idle and draining: nothing is left to wait for (blocking here cost a 1 s poll).
+            self._drain_requests(block=not busy and self._draining_until is None)
+            if self._draining_until is not None and time.monotonic() >= self._draining_until:
+                self._abort_all()
+            if self.scheduler.has_unfinished_requests() or self._needs_flush:
+                self._step()
+            elif self._draining_until is not None:
+                return
+
+    def _step(self) -> None:
+        self._needs_flush = False
+        batch = self.scheduler.schedule()
+        output = self.executor.execute(batch)
+        self._drain_requests(block=False)  # aborts that arrived meanwhile drop their tokens
+        result = self.scheduler.update_from_output(batch, output)
+        self._write(result)
+        self.step += 1
+
+    def _write(self, result: StepResult) -> None:
+        for rnum, prompt in result.prompt_logprobs.items():
+            event = P.Event(
+                "prompt_logprobs",
+                rnum=rnum,
+                first_position=prompt.first_position,
+                k=0 if prompt.topk_ids is None else int(prompt.topk_ids.shape[1]),
+                logprobs=prompt.logprobs.astype("<f4").tobytes(),
+                topk_ids=b""
+                if prompt.topk_ids is None
+                else prompt.topk_ids.astype("<i4").tobytes(),
+                topk_logprobs=b""
+                if prompt.topk_logprobs is None
+                else prompt.topk_logprobs.astype("<f4").tobytes(),
+            )
+            self._send_event(event)
+        if self._rejected:
+            result = _with_error_rows(result, self._rejected)
+            self._rejected = []
+        if not len(result.rnums):
+            return
+        write_step(
+            self.outputs,
+            self.step,
+            result.rnums,
+            result.tok_offsets,
+            result.tokens,
+            result.finish,
+            logprobs=result.logprobs,
+            topk_ids=result.topk_ids,
+            topk_logprobs=result.topk_logprobs,
+            num_cached_tokens=result.num_cached_tokens,
+            timeout=self.config.output_timeout,
+        )
+
+    # -- the request ring ----------------------------------------------------------------
+
+    def _drain_requests(self, *, block: bool) -> None:
+        reader = self.requests
+        if block:
+            try:
+                reader.peek(timeout=IDLE_POLL_S)
+            except BusyError:
+                self.executor.check_health()
+                return
+        while (record := reader.try_peek()) is not None:
+            kind, payload = record
+            try:
+                self._handle(kind, payload)
+            finally:
+                reader.release()
+
+    def _handle(self, kind: int, payload: memoryview) -> None:
+        if kind == P.ADD:
+            header, tokens = P.unpack_add(payload, self._add_decoder)
+            request = Request(
+                rnum=header.rnum,
+                prompt_token_ids=tokens.tolist(),
+                options=header.options,
+                max_tokens=header.max_tokens,
+                eos_token_id=self.eos_token_id,
+                arrival_time=header.arrival_time,
+            )
+            try:
+                self.scheduler.add_request(request)
+            except InvalidRequestError as exc:  # the frontend validates; never kill the engine
+                self._rejected.append(header.rnum)
+                self._send_event(P.Event("request_error", rnum=header.rnum, result=str(exc)))
+                self._needs_flush = True
+                return
+            if self._draining_until is not None:  # draining admits nothing new
+                self._abort([header.rnum])
+        elif kind == P.ABORT:
+            self._abort(np.frombuffer(payload, "<u8").tolist())
+        elif kind == P.UTILITY:
+            self._utility(self._utility_decoder.decode(payload))
+        elif kind == P.SHUTDOWN:
+            shutdown = self._shutdown_decoder.decode(payload)
+            if shutdown.mode == "abort":
+                self._abort_all()
+                self._draining_until = time.monotonic()
+            else:
+                self._draining_until = time.monotonic() + max(0.0, shutdown.timeout)
+        else:
+            raise ValueError(f"unknown request-ring record kind {kind}")
+
+    def _abort(self, rnums: list[int]) -> None:
+        if self.scheduler.abort_requests(rnums):
+            self._needs_flush = True
+
+    def _abort_all(self) -> None:
+        self._abort(self.scheduler.unfinished_rnums())
+
+    def _utility(self, call: P.UtilityCall) -> None:
+        if call.method not in P.UTILITY_METHODS:
+            result: object = f"unknown utility method {call.method!r}"
+            ok = False
+        elif call.method == "reset_prefix_cache":
+            result, ok = self.scheduler.reset_prefix_cache(), True
+        elif call.method == "stats":
+            result, ok = msgspec.to_builtins(self.scheduler.statistics()), True
+        else:
+            result, ok = "pong", True
+        self._send_event(P.Event("utility_result", call_id=call.call_id, ok=ok, result=result))
+
+    def _send_event(self, event: P.Event) -> None:
+        self.outputs.send(P.EVENT, self._encoder.encode(event), timeout=self.config.output_timeout)
+
+
+def _with_error_rows(result: StepResult, rnums: list[int]) -> StepResult:
+    """`result` plus one row without tokens and finish ERROR per rejected request."""
+    n = len(rnums)
+    zeros_u32 = np.zeros(n, np.uint32)
+    # Error rows carry no tokens, so the per-token columns stay as they are.
+    return StepResult(
+        result.step,
+        np.concatenate([result.rnums, np.asarray(rnums, np.uint64)]),
+        np.concatenate([result.tok_offsets, np.full(n, result.tok_offsets[-1], np.uint32)]),
+        result.tokens,
+        np.concatenate([result.finish, np.full(n, FinishReason.ERROR, np.uint8)]),
+        np.concatenate([result.num_cached_tokens, zeros_u32]),
+        result.logprobs,
+        result.topk_ids,
+        result.topk_logprobs,
+        result.prompt_logprobs,
+    )

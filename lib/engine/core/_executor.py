@@ -1,0 +1,144 @@
+"""Executors: how the engine runs a step on its workers.
+
+- `UniprocExecutor`: the worker lives in the engine process (TP = 1; two processes in all).
+- `MultiprocExecutor` (`_executor_multiproc`): one worker process per rank, steps through a
+  broadcast ring, results and failures through one ring per rank, processes watched.
+- `NullExecutor`: no model; deterministic tokens after a simulated step time, so host
+  overhead can be measured through the real scheduler and rings.
+
+Every executor raises `WorkerDiedError` (naming the rank, the exception or the exit) instead
+of returning when a worker failed; no call waits forever on a dead rank.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+
+import numpy as np
+
+from ...gpu import ModelConfig, RunnerOutput, StepBatch, Worker, WorkerConfig, WorkerFailure
+from ..protocol._errors import RemoteError
+from ._errors import WorkerDiedError
+
+
+class Executor(abc.ABC):
+    """Loads the model on every rank, sizes the KV cache, and runs steps."""
+
+    model_config: ModelConfig
+    max_model_len: int
+
+    @abc.abstractmethod
+    def initialize(self) -> int:
+        """Load the model everywhere, allocate the KV cache; return its number of blocks."""
+
+    @abc.abstractmethod
+    def execute(self, batch: StepBatch) -> RunnerOutput:
+        """Run one step; rank 0's output.
+
+        Raises:
+            WorkerDiedError: a rank raised or exited.
+        """
+
+    def check_health(self) -> None:  # noqa: B027 - most executors have nothing to check
+        """Raise `WorkerDiedError` if a worker died while the engine was idle."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop the workers and free what they hold (idempotent)."""
+
+
+def failure_error(failure: WorkerFailure) -> WorkerDiedError:
+    return WorkerDiedError(
+        RemoteError(
+            f"worker rank {failure.rank}",
+            failure.exc_type,
+            failure.message,
+            failure.traceback,
+            function=failure.function,
+        )
+    )
+
+
+class UniprocExecutor(Executor):
+    """The worker inside the engine process: no ring, no copy, no extra process."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.worker = Worker(config)
+
+    def initialize(self) -> int:
+        worker = self.worker
+        worker.init_device()
+        worker.load_model()
+        num_blocks = worker.num_available_kv_blocks()
+        worker.init_kv_cache(num_blocks)
+        self.model_config = worker.runner.model_config
+        self.max_model_len = worker.runner.max_model_len
+        return num_blocks
+
+    def execute(self, batch: StepBatch) -> RunnerOutput:
+        try:
+            return self.worker.execute(batch)
+        except Exception as exc:
+            raise failure_error(WorkerFailure.from_exception(0, exc)) from exc
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+class NullExecutor(Executor):
+    """No model: token `(rnum + step) % 1000 + 100` for every sampling row after `step_time`.
+
+    A row samples when the step reaches the end of its known tokens, exactly as the runner
+    decides, so the scheduler's chunked prefill and stop conditions run for real.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        *,
+        num_blocks: int,
+        max_model_len: int,
+        step_time: float = 0.0,
+    ) -> None:
+        self.model_config = model_config
+        self.max_model_len = max_model_len
+        self.num_blocks = num_blocks
+        self.step_time = step_time
+        self._lengths: dict[int, list[int]] = {}  # rnum -> [num_tokens, num_computed]
+
+    def initialize(self) -> int:
+        return self.num_blocks
+
+    def execute(self, batch: StepBatch) -> RunnerOutput:
+        started = time.perf_counter()
+        lengths = self._lengths
+        for rnum in batch.finished_rnums.tolist():
+            lengths.pop(rnum, None)
+        for request in batch.new_requests:
+            total = len(request.prompt_token_ids) + len(request.output_token_ids)
+            lengths[request.rnum] = [total, request.num_computed_tokens]
+        for rnum, computed in zip(
+            batch.cached_rnums.tolist(), batch.cached_num_computed.tolist(), strict=True
+        ):
+            lengths[rnum][1] = computed
+        sampled = []
+        for rnum, count in zip(
+            batch.scheduled_rnums.tolist(), batch.num_scheduled_tokens.tolist(), strict=True
+        ):
+            state = lengths[rnum]
+            state[1] += count
+            if state[1] >= state[0]:
+                state[0] += 1
+                sampled.append(rnum)
+        rnums = np.array(sampled, np.uint64)
+        tokens = ((rnums + np.uint64(batch.step)) % np.uint64(1000) + np.uint64(100)).astype(
+            np.int32
+        )
+        remaining = self.step_time - (time.perf_counter() - started)
+        if remaining > 0:
+            time.sleep(remaining)
+        return RunnerOutput(rnums, tokens)
+
+    def shutdown(self) -> None:
+        self._lengths.clear()

@@ -1,0 +1,87 @@
+"""The engine process: ``python -m trillm.engine.core <EngineArgs JSON>`` (`__main__`).
+
+Started by the frontend (a fresh interpreter), it dies with its parent (a parent-death
+signal, checked against the parent pid it was given to close the race), ignores SIGINT (a
+terminal's Ctrl-C reaches the whole process group; the frontend decides how to shut down),
+attaches the two rings, starts its heartbeat thread (`_heartbeat`), starts the executor and
+runs the busy loop. Any exception becomes one DEAD record naming the root cause, then exit
+code 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import traceback
+
+import msgspec
+
+from ...gpu import open_model
+from ...gpu._failure import raised_in
+from ...gpu._process import die_with_parent
+from ...transport_shm import RingReader, RingWriter
+from ..protocol import _messages as P
+from ..protocol._config import EngineArgs, EngineConfig
+from ..protocol._errors import RemoteError
+from ._engine_core import EngineCore
+from ._errors import WorkerDiedError
+from ._executor import Executor, NullExecutor, UniprocExecutor
+from ._heartbeat import Heartbeat
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    kind = config.executor_kind
+    if kind == "uni":
+        return UniprocExecutor(config.worker)
+    if kind == "null":
+        model_config, _ = open_model(config.worker.model, "dummy")
+        max_len = config.worker.max_model_len or model_config.max_position_embeddings
+        return NullExecutor(
+            model_config,
+            num_blocks=config.null_num_blocks,
+            max_model_len=max_len,
+            step_time=config.null_step_time,
+        )
+    from ._executor_multiproc import MultiprocExecutor
+
+    return MultiprocExecutor(config.worker, config.tensor_parallel_size)
+
+
+def root_cause(exc: BaseException) -> RemoteError:
+    if isinstance(exc, WorkerDiedError):
+        return exc.error
+    return RemoteError(
+        "engine",
+        type(exc).__qualname__,
+        str(exc),
+        "".join(traceback.format_exception(exc)),
+        function=raised_in(exc),
+    )
+
+
+def main(argv: list[str]) -> int:
+    args = msgspec.json.decode(argv[1], type=EngineArgs)
+    die_with_parent(args.parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with (
+        RingReader.attach(args.request_ring) as requests,
+        RingWriter.attach(args.output_ring) as outputs,
+        Heartbeat(outputs),  # from before the model loads: see `_heartbeat`
+    ):
+        executor: Executor | None = None
+        try:
+            executor = make_executor(args.config)
+            core = EngineCore(args.config, requests, outputs, executor)
+            core.start()
+            core.run()
+            return 0
+        except BaseException as exc:
+            cause = root_cause(exc)
+            with contextlib.suppress(Exception):  # the frontend is gone or stuck: exit anyway
+                outputs.send(P.DEAD, msgspec.msgpack.encode(cause), timeout=5.0)
+            print(cause.traceback or cause.describe(), file=sys.stderr)
+            return 1
+        finally:
+            if executor is not None:
+                executor.shutdown()

@@ -1,0 +1,403 @@
+"""Continuous batching: which requests compute how many tokens each step (DESIGN.md §6).
+
+Every step fills a token budget, first-come first-served: running requests first (one token
+per decode, the next chunk of an unfinished prompt), then waiting ones, each admitted with
+its prefix-cache hits counted as computed. A prompt larger than what is left of the budget
+gets a partial chunk (chunked prefill), so long prompts never stall the decodes.
+
+When a running request needs a block and none is free, the newest running request is
+preempted by recompute: its blocks are freed and it goes back to the front of `waiting`
+with its outputs kept; readmitted, it is a new request to the runner again and recomputes
+its KV (most of it usually still in the prefix cache). Preempting the newest and admitting
+nobody in a step that preempted means the oldest request always progresses: nothing starves.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...gpu import NewRequest, PromptLogprobs, RunnerOutput, StepBatch
+from ..protocol._step_record import FinishReason
+from ._kv_cache_manager import KVCacheManager
+from ._request import Request, RequestStatus
+
+
+class SchedulerConfigError(ValueError):
+    """A scheduler setting is out of range; the message names it and the limit."""
+
+
+class InvalidRequestError(ValueError):
+    """A request can never be served as sent; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduler's limits, fixed at start-up once the KV cache is sized."""
+
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int  # requests running at once (the runner's rows)
+    max_num_batched_tokens: int  # tokens computed per step, over all requests
+    max_model_len: int  # prompt plus outputs, per request
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise SchedulerConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len < 2:
+            raise SchedulerConfigError(
+                f"max_model_len must be >= 2 (a prompt token and an output), "
+                f"got {self.max_model_len}"
+            )
+        capacity = self.num_blocks * self.block_size
+        if capacity < self.max_model_len:
+            raise SchedulerConfigError(
+                f"the KV cache holds {capacity} tokens ({self.num_blocks} blocks of "
+                f"{self.block_size}), fewer than one request of max_model_len "
+                f"{self.max_model_len}: lower max_model_len to at most {capacity} or give the "
+                f"KV cache more memory"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot of the queues, the KV cache and the prefix cache (counters in tokens)."""
+
+    step: int
+    num_waiting: int
+    num_running: int
+    num_free_blocks: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+@dataclass
+class StepResult:
+    """One step's outputs, columnar, ready for the STEP record (DESIGN.md §4).
+
+    One row per request that produced a token (one token each), then one row without tokens
+    (finish ABORT) per request aborted since the last result. Per-token columns are aligned
+    with `tokens`; `prompt_logprobs` is keyed by rnum and may name requests without a row
+    (a prompt chunk that sampled nothing).
+    """
+
+    step: int
+    rnums: np.ndarray  # [rows] uint64
+    tok_offsets: np.ndarray  # [rows + 1] uint32
+    tokens: np.ndarray  # [num_tokens] int32
+    finish: np.ndarray  # [rows] uint8 FinishReason
+    num_cached_tokens: np.ndarray  # [rows] uint32
+    logprobs: np.ndarray | None = None  # [num_tokens] float32
+    topk_ids: np.ndarray | None = None  # [num_tokens, k] int32
+    topk_logprobs: np.ndarray | None = None  # [num_tokens, k] float32
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rnums)
+
+
+class Scheduler:
+    """Owns the queues and the KV-cache manager; builds each `StepBatch` and applies its
+    output. Call `update_from_output` once per batch, before the next `schedule`."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv_cache_manager = KVCacheManager(
+            config.num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.waiting: deque[Request] = deque()  # FCFS; preempted requests re-enter at the front
+        self.running: list[Request] = []  # in admission order: the last is preempted first
+        self.requests: dict[int, Request] = {}  # rnum -> every unfinished request
+        self.num_preemptions = 0
+        self._step = 0
+        self._finished_rnums: list[int] = []  # rows the runner drops at its next step
+        self._aborted: list[Request] = []  # aborts the next result reports
+
+    # -- requests in and out -----------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue `request` behind every waiting one.
+
+        Raises:
+            InvalidRequestError: its rnum is in use, its prompt is empty or leaves no room for
+                an output within `max_model_len`, or `max_tokens` < 1.
+        """
+        max_model_len = self.config.max_model_len
+        if request.rnum in self.requests:
+            raise InvalidRequestError(f"request number {request.rnum} is already in use")
+        if not request.prompt_token_ids:
+            raise InvalidRequestError(
+                f"request {request.rnum} has an empty prompt: send at least one token"
+            )
+        if request.num_tokens >= max_model_len:
+            raise InvalidRequestError(
+                f"request {request.rnum} has {request.num_tokens} prompt tokens, leaving no "
+                f"room to generate within max_model_len {max_model_len}: send at most "
+                f"{max_model_len - 1}"
+            )
+        if request.max_tokens < 1:
+            raise InvalidRequestError(
+                f"request {request.rnum} asks for max_tokens {request.max_tokens}: ask for >= 1"
+            )
+        self.requests[request.rnum] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, rnums: Iterable[int]) -> list[Request]:
+        """Finish `rnums` with ABORT and free their blocks now; unknown or finished rnums are
+        ignored. The next `update_from_output` reports each one in a row of its own.
+
+        Returns:
+            The requests aborted by this call.
+        """
+        aborted = []
+        for rnum in rnums:
+            request = self.requests.pop(int(rnum), None)
+            if request is None:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self._finished_rnums.append(request.rnum)
+            self.kv_cache_manager.free(request)
+            request.finish(FinishReason.ABORT)
+            aborted.append(request)
+        if aborted:
+            self.running = [r for r in self.running if not r.is_finished]
+            self.waiting = deque(r for r in self.waiting if not r.is_finished)
+            self._aborted.extend(aborted)
+        return aborted
+
+    def unfinished_rnums(self) -> list[int]:
+        return list(self.requests)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> StepBatch:
+        """Decide this step: running requests first, then waiting ones, FCFS, in the budget."""
+        config, kv = self.config, self.kv_cache_manager
+        budget = config.max_num_batched_tokens
+        running = self.running
+        rnums: list[int] = []
+        counts: list[int] = []
+        cached_new_blocks: list[list[int]] = []
+        cached_computed: list[int] = []
+        preempted = False
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            # Running requests stay below max_model_len (check_stop), so this never passes it.
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
+            while (new_blocks := kv.allocate_slots(request, num_new)) is None:
+                victim = running.pop()
+                self.preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            rnums.append(request.rnum)
+            counts.append(num_new)
+            cached_new_blocks.append(new_blocks)
+            cached_computed.append(request.num_computed_tokens)
+            budget -= num_new
+            i += 1
+        num_cached = len(rnums)
+
+        new_requests: list[NewRequest] = []
+        # After a preemption blocks are short: admitting more would only preempt again.
+        while not preempted and self.waiting and budget > 0 and len(running) < config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if kv.allocate_slots(request, num_new, hits) is None:
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            if request.status is RequestStatus.WAITING:
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            running.append(request)
+            new_requests.append(
+                NewRequest(
+                    request.rnum,
+                    request.prompt_token_ids,
+                    list(kv.get_block_ids(request.rnum)),
+                    num_hit_tokens,
+                    request.options,
+                    list(request.output_token_ids),
+                )
+            )
+            rnums.append(request.rnum)
+            counts.append(num_new)
+            budget -= num_new
+
+        batch = StepBatch(
+            self._step,
+            new_requests=new_requests,
+            cached_rnums=np.array(rnums[:num_cached], np.uint64),
+            cached_new_block_ids=cached_new_blocks,
+            cached_num_computed=np.array(cached_computed, np.int32),
+            scheduled_rnums=np.array(rnums, np.uint64),
+            num_scheduled_tokens=np.array(counts, np.int32),
+            finished_rnums=np.array(self._finished_rnums, np.uint64),
+        )
+        self._finished_rnums = []
+        self._step += 1
+        return batch
+
+    def preempt(self, request: Request) -> None:
+        """Free a running request's blocks and requeue it first; its outputs are kept, its
+        KV is recomputed when it is admitted again. The caller removed it from `running`."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self._finished_rnums.append(request.rnum)  # the runner drops its row
+
+    def update_from_output(self, batch: StepBatch, output: RunnerOutput) -> StepResult:
+        """Apply a step's output: count computed tokens, cache newly full blocks, append the
+        sampled tokens, finish (and free) what stopped. Tokens of requests aborted while the
+        step ran are dropped."""
+        requests, kv = self.requests, self.kv_cache_manager
+        for rnum, count in zip(
+            batch.scheduled_rnums.tolist(), batch.num_scheduled_tokens.tolist(), strict=True
+        ):
+            request = requests.get(rnum)
+            if request is not None:
+                request.num_computed_tokens += count
+                kv.cache_blocks(request)
+        prompt_logprobs = self._new_prompt_logprobs(output.prompt_logprobs)
+
+        max_model_len = self.config.max_model_len
+        kept: list[int] | None = None  # row indices kept, once a row was dropped
+        finish: list[int] = []
+        num_cached: list[int] = []
+        num_finished = 0
+        for i, (rnum, token_id) in enumerate(
+            zip(output.rnums.tolist(), output.token_ids.tolist(), strict=True)
+        ):
+            request = requests.get(rnum)
+            if request is None:
+                if kept is None:
+                    kept = list(range(i))
+                continue
+            if kept is not None:
+                kept.append(i)
+            request.append_output_token(token_id)
+            reason = request.check_stop(token_id, max_model_len)
+            if reason:
+                request.finish(reason)
+                kv.free(request)
+                del requests[rnum]
+                self._finished_rnums.append(rnum)
+                num_finished += 1
+            finish.append(reason)
+            num_cached.append(request.num_cached_tokens)
+        if num_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return self._result(batch.step, output, kept, finish, num_cached, prompt_logprobs)
+
+    def _new_prompt_logprobs(
+        self, prompt_logprobs: dict[int, PromptLogprobs]
+    ) -> dict[int, PromptLogprobs]:
+        """The prompt logprobs of live requests not reported before."""
+        fresh = {}
+        for rnum, chunk in prompt_logprobs.items():
+            request = self.requests.get(rnum)
+            if request is not None and (new := request.take_new_prompt_logprobs(chunk)):
+                fresh[rnum] = new
+        return fresh
+
+    def _result(
+        self,
+        step: int,
+        output: RunnerOutput,
+        kept: list[int] | None,
+        finish: list[int],
+        num_cached: list[int],
+        prompt_logprobs: dict[int, PromptLogprobs],
+    ) -> StepResult:
+        """Columns of the rows that produced a token, then one empty row per abort."""
+        rnums = np.asarray(output.rnums, np.uint64)
+        tokens = np.asarray(output.token_ids, np.int32)
+        logprobs, topk_ids, topk_logprobs = output.logprobs, output.topk_ids, output.topk_logprobs
+        if kept is not None:
+            index = np.array(kept, np.intp)
+            rnums, tokens = rnums[index], tokens[index]
+            logprobs = None if logprobs is None else logprobs[index]
+            topk_ids = None if topk_ids is None else topk_ids[index]
+            topk_logprobs = None if topk_logprobs is None else topk_logprobs[index]
+        num_tokens = len(tokens)
+        if self._aborted:
+            rnums = np.concatenate([rnums, np.array([r.rnum for r in self._aborted], np.uint64)])
+            finish.extend([FinishReason.ABORT] * len(self._aborted))
+            num_cached.extend(r.num_cached_tokens for r in self._aborted)
+            self._aborted = []
+        offsets = np.arange(len(rnums) + 1, dtype=np.uint32)
+        offsets[num_tokens + 1 :] = num_tokens
+        return StepResult(
+            step,
+            rnums,
+            offsets,
+            tokens,
+            np.array(finish, np.uint8),
+            np.array(num_cached, np.uint32),
+            logprobs,
+            topk_ids,
+            topk_logprobs,
+            prompt_logprobs,
+        )
+
+    # -- introspection -------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_cache_manager.usage
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.kv_cache_manager.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.kv_cache_manager.prefix_cache_hits
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache; refused (False) while requests hold blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def statistics(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            step=self._step,
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            num_free_blocks=kv.num_free_blocks,
+            kv_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )

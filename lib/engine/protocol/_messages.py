@@ -1,0 +1,121 @@
+"""Wire formats between the frontend and the engine process (DESIGN.md §4).
+
+Every message is one ring record whose `kind` is one of the constants below. Hot-path records
+(ADD's prompt tokens, ABORT, STEP) are raw little-endian arrays behind a small fixed header;
+rare ones are msgpack of `array_like` structs, whose field order is wire ABI (append only).
+Request numbers (u64), never string ids, cross the boundary.
+
+Request ring (frontend -> engine):
+- ADD:      u32 header_len | msgpack `AddHeader` | pad to 4 | i32 prompt tokens
+- ABORT:    u64 rnums
+- UTILITY:  msgpack `UtilityCall` (method from `UTILITY_METHODS`)
+- SHUTDOWN: msgpack `Shutdown`
+
+Output ring (engine -> frontend):
+- READY:    msgpack `Ready` (post-initialisation facts)
+- STEP:     one columnar record per engine step (`write_step`, `StepView`)
+- EVENT:    msgpack `Event` (utility results, prompt logprobs, ...)
+- DEAD:     msgpack `RemoteError`, the engine's last record
+
+Besides records, the engine bumps the output ring's heartbeat word every `HEARTBEAT_INTERVAL`
+seconds (`core._heartbeat`); the frontend's watchdog (`client._watchdog`) reads it.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Final
+
+import msgspec
+
+from ...gpu import SamplingOptions
+
+ADD: Final = 1
+ABORT: Final = 2
+UTILITY: Final = 3
+SHUTDOWN: Final = 4
+READY: Final = 10
+STEP: Final = 11
+EVENT: Final = 12
+DEAD: Final = 13
+
+# The engine process's entry point, run as `python -m ENGINE_MAIN <EngineArgs JSON>`: the one
+# name of the engine's code the frontend knows (it spawns it, it never imports it).
+ENGINE_MAIN: Final = "trillm.engine.core"
+
+HEARTBEAT_INTERVAL: Final = 0.1  # seconds between the engine's beats
+MIN_WATCHDOG_TIMEOUT: Final = 5 * HEARTBEAT_INTERVAL  # a shorter one would fire on jitter
+
+UTILITY_METHODS: Final = frozenset({"reset_prefix_cache", "stats", "ping"})
+
+
+class AddHeader(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """ADD's header; the prompt tokens follow as raw int32. Field order is ABI."""
+
+    rnum: int
+    options: SamplingOptions
+    max_tokens: int
+    arrival_time: float
+
+
+class UtilityCall(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    call_id: int
+    method: str
+    args: list[object] = []
+
+
+class Shutdown(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    mode: str  # "drain": stop admitting, finish or time out; "abort": finish all now
+    timeout: float = 30.0
+
+
+class Ready(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """What the frontend learns once the engine is up. Field order is ABI."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    pid: int
+
+
+class Event(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """A rare message: `kind` says which fields mean something. Field order is ABI."""
+
+    kind: str  # "utility_result", "prompt_logprobs"
+    call_id: int = 0
+    ok: bool = True
+    result: object = None
+    rnum: int = 0
+    first_position: int = 0
+    k: int = 0
+    logprobs: bytes = b""
+    topk_ids: bytes = b""
+    topk_logprobs: bytes = b""
+
+
+_ADD_LEN = struct.Struct("<I")
+
+
+def add_size(header: bytes, num_tokens: int) -> tuple[int, int]:
+    """(offset of the tokens, total payload bytes) of an ADD record."""
+    offset = (_ADD_LEN.size + len(header) + 3) & ~3
+    return offset, offset + 4 * num_tokens
+
+
+def pack_add(view: memoryview, header: bytes, tokens_offset: int) -> None:
+    """Write an ADD's length and header into `view`; the caller writes the tokens after."""
+    _ADD_LEN.pack_into(view, 0, len(header))
+    view[_ADD_LEN.size : _ADD_LEN.size + len(header)] = header
+
+
+def unpack_add(
+    payload: memoryview, decoder: msgspec.msgpack.Decoder[AddHeader]
+) -> tuple[AddHeader, memoryview]:
+    """The header and a view of the int32 prompt tokens of an ADD payload."""
+    (length,) = _ADD_LEN.unpack_from(payload)
+    header = decoder.decode(payload[_ADD_LEN.size : _ADD_LEN.size + length])
+    offset = (_ADD_LEN.size + length + 3) & ~3
+    return header, payload[offset:].cast("i")
