@@ -31,6 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
     )
     serve.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    serve.add_argument(
+        "--cpu-linear",
+        default="auto",
+        choices=["auto", "onednn", "aten"],
+        help="CPU linear kernels: auto (oneDNN where this CPU runs the dtype, else F.linear), "
+        "onednn (or fail at load), aten (F.linear)",
+    )
     serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     serve.add_argument("--max-model-len", type=int)
     serve.add_argument("--max-num-seqs", type=int, default=256)
@@ -149,6 +156,7 @@ def serve_main(args: argparse.Namespace) -> int:
         load_format=args.load_format,
         dtype=args.dtype,
         device=args.device,
+        cpu_linear=args.cpu_linear,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

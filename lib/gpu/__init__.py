@@ -6,8 +6,12 @@ Knows no scheduling policy and nothing of the engine or HTTP (DESIGN.md §1, §7
 
 from ._config import WorkerConfig as WorkerConfig
 from ._config import WorkerConfigError as WorkerConfigError
+from ._cpu_linear import CpuFeatures as CpuFeatures
+from ._cpu_linear import CpuLinearUnsupportedError as CpuLinearUnsupportedError
+from ._cpu_linear import probe_cpu_features as probe_cpu_features
 from ._failure import InjectedFault as InjectedFault
 from ._failure import WorkerFailure as WorkerFailure
+from ._kernels import KernelChoice as KernelChoice
 from ._model_config import ModelConfig as ModelConfig
 from ._model_config import ModelConfigError as ModelConfigError
 from ._model_runner import ModelRunner as ModelRunner

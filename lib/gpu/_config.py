@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ._cpu_linear import CPU_LINEAR
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-CPU_LINEAR = ("onednn", "aten")
 _FAULT = re.compile(r"forward:\d+:\d+")
 
 
@@ -22,8 +23,9 @@ class WorkerConfig:
     """What a worker needs to load a model and size its KV cache.
 
     `dtype="auto"` is float32 on CPU and bfloat16 on CUDA. A CPU without AVX-512 BF16 or AMX
-    runs a bfloat16 matmul 3-30x slower than float32; where it has them (our CI machines do),
-    `dtype="bfloat16"` is faster but less exact (`perf/linear_bench.py` shows both).
+    runs a bfloat16 matmul 3-30x slower than float32; where it has them, `dtype="bfloat16"` is
+    faster but less exact (`perf/linear_bench.py` shows both). Which linear kernels run is
+    probed at load (`cpu_linear`, `_cpu_linear.py`).
     """
 
     model: str  # a Hugging Face model directory or a GGUF file
@@ -37,9 +39,10 @@ class WorkerConfig:
     kv_cache_bytes: int = 1 << 30  # the KV budget on CPU, where free memory is not measurable
     gpu_memory_utilization: float = 0.9
     seed: int = 0
-    # "onednn": linear weights packed for oneDNN on the CPU (2x on AVX-512; `_cpu_linear`);
+    # "auto": linear weights packed for oneDNN where this CPU can run the dtype (2x on
+    # AVX-512; `_cpu_linear`), plain F.linear elsewhere; "onednn": packed or an error at load;
     # "aten": plain F.linear (MKL), for comparison.
-    cpu_linear: str = "onednn"
+    cpu_linear: str = "auto"
     # Test hook: "forward:RANK:STEP" raises InjectedFault inside the model's forward on that
     # rank at that step (counting from 0), so death reporting can be tested end to end.
     inject_fault: str | None = None

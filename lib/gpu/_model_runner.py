@@ -14,8 +14,9 @@ import torch
 
 from ._attention import AttentionMetadata, PrefillSpan
 from ._config import WorkerConfig
-from ._cpu_linear import packed_linear_available
+from ._cpu_linear import CpuFeatures
 from ._input_batch import InputBatch, StepInputs
+from ._kernels import KernelChoice, choose_kernels
 from ._model_config import ModelConfig
 from ._parallel import TensorParallel
 from ._sampler import Sampler, SamplerOutput, compute_logprobs
@@ -34,7 +35,10 @@ class ModelRunner:
         model_config: ModelConfig,
         tp: TensorParallel,
         device: torch.device,
+        *,
+        cpu_features: CpuFeatures | None = None,
     ) -> None:
+        """`cpu_features` replaces the CPU probe's answer (tests force either kernel path)."""
         self.config = config
         self.model_config = model_config
         self.tp = tp
@@ -49,6 +53,8 @@ class ModelRunner:
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self._block_numel = 0
         self.model: LlamaForCausalLM | None = None
+        self.kernels: KernelChoice | None = None  # chosen by load_model
+        self._cpu_features = cpu_features
         fault = config.fault_at()
         self._fault_step = fault[1] if fault is not None and fault[0] == tp.rank else -1
         self._num_steps = 0
@@ -59,6 +65,10 @@ class ModelRunner:
 
     def load_model(self, weights: Weights | None) -> None:
         """Build the model on the device and load `weights` (None: random, for benchmarks)."""
+        # Chosen first: an unsupported explicit choice fails before any weight is read.
+        self.kernels = choose_kernels(
+            self.device, self.dtype, self.config.cpu_linear, self._cpu_features
+        )
         torch.manual_seed(self.config.seed)
         with torch.device(self.device):
             model = LlamaForCausalLM(self.model_config, self.tp, self.dtype)
@@ -67,11 +77,7 @@ class ModelRunner:
                 param.data.normal_(0.0, 0.02)
         else:
             model.load_weights(weights)
-        if (
-            self.device.type == "cpu"
-            and self.config.cpu_linear == "onednn"
-            and packed_linear_available(self.dtype)
-        ):
+        if self.kernels.linear == "onednn":
             model.pack_linears()
         self.model = model.eval()
 

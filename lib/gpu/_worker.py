@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ._config import WorkerConfig
+from ._kernels import KernelChoice
 from ._model_runner import ModelRunner
 from ._parallel import TensorParallel
 from ._step_batch import RunnerOutput, StepBatch
@@ -71,6 +72,14 @@ class Worker:
             self.tp.all_reduce(torch.zeros(1, device=device))  # collectives allocate now
         if device.type == "cuda":
             self.free_memory_at_start = torch.cuda.mem_get_info(device)[0]
+
+    @property
+    def kernels(self) -> KernelChoice:
+        """The kernels `load_model` chose for this rank's device and dtype."""
+        kernels = self.runner.kernels
+        if kernels is None:
+            raise RuntimeError("the worker has no model yet: call load_model() first")
+        return kernels
 
     def load_model(self) -> None:
         """Read the model's config, build it on the device, load this rank's weight shards."""

@@ -10,7 +10,8 @@ Wire ABI (record kinds; never renumber, only add):
 ========================  ====================================  ============================
 command (broadcast ring)  payload                               reply (result ring)
 ========================  ====================================  ============================
-``CMD_LOAD``              empty                                 ``REPLY_NUM_BLOCKS`` u64
+``CMD_LOAD``              empty                                 ``REPLY_NUM_BLOCKS`` u64, then
+                                                                `KernelChoice` msgpack
 ``CMD_INIT_KV``           u64 number of KV blocks               ``REPLY_OK`` empty
 ``CMD_STEP``              `StepBatchCodec` msgpack              rank 0: ``REPLY_OUTPUT``
                                                                 (`RunnerOutputCodec`); others
@@ -111,7 +112,8 @@ class _Server:
                 commands.release()
                 worker.init_device()
                 worker.load_model()
-                self.reply(REPLY_NUM_BLOCKS, U64.pack(worker.num_available_kv_blocks()))
+                num_blocks = U64.pack(worker.num_available_kv_blocks())
+                self.reply(REPLY_NUM_BLOCKS, num_blocks + msgspec.msgpack.encode(worker.kernels))
             elif kind == CMD_SHUTDOWN:
                 worker.shutdown()
                 return

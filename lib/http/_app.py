@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec.structs
 import trio
 
 from .. import __version__
@@ -67,6 +68,8 @@ class App:
         self.llm = llm
         self.config = config
         self.metrics = metrics
+        if llm.ready.kernels is not None:
+            metrics.set_kernels(msgspec.structs.asdict(llm.ready.kernels))
         self.generation = Generation(llm, config, metrics)
         self._routes: dict[tuple[str, str], Callable[..., Awaitable[None]]] = {
             ("GET", "/health"): self._health,
@@ -155,7 +158,9 @@ class App:
         await self._respond(send, 200 if ok else 503, b"{}", extra)
 
     async def _version(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
-        await self._respond(send, 200, version_response(__version__), extra)
+        kernels = self.llm.ready.kernels
+        info = msgspec.structs.asdict(kernels) if kernels is not None else None
+        await self._respond(send, 200, version_response(__version__, info), extra)
 
     async def _models(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
         body = models_response(

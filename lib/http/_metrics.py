@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 FINISHED_REASONS = ("stop", "length", "abort", "error")
@@ -119,6 +119,12 @@ class Metrics:
             (*_LABELS, "finished_reason"),
             registry=r,
         )
+        self.kernel = Info(
+            "trillm:kernel",
+            "The kernels the model runs with: device, dtype, linear path, CPU/GPU features.",
+            _LABELS,
+            registry=r,
+        )
         # Children made now, so every series is scraped (at zero) before its first event.
         for metric in self._per_model:
             metric.labels(model_name)
@@ -183,6 +189,10 @@ class Metrics:
         """Count choices that ended without finishing (the client went away, or an error)."""
         if choices > 0:
             self.request_success.labels(self.model_name, "abort").inc(choices)
+
+    def set_kernels(self, kernels: Mapping[str, str]) -> None:
+        """Expose the engine's kernel choice as `trillm:kernel_info{device=..., ...} 1`."""
+        self.kernel.labels(self.model_name).info(dict(kernels))
 
     def set_engine_stats(self, stats: Mapping[str, object]) -> None:
         """Update from the engine's `stats` utility (its `SchedulerStats` as a dict).

@@ -370,8 +370,9 @@ class DetokenizeResponse(msgspec.Struct):
     prompt: str
 
 
-class VersionResponse(msgspec.Struct):
+class VersionResponse(msgspec.Struct, omit_defaults=True):
     version: str
+    kernels: dict[str, str] | None = None  # what the model runs with (`KernelChoice`)
 
 
 def models_response(
@@ -391,5 +392,5 @@ def detokenize_response(prompt: str) -> bytes:
     return _encoder.encode(DetokenizeResponse(prompt))
 
 
-def version_response(version: str) -> bytes:
-    return _encoder.encode(VersionResponse(version))
+def version_response(version: str, kernels: dict[str, str] | None = None) -> bytes:
+    return _encoder.encode(VersionResponse(version, kernels))

@@ -73,6 +73,8 @@ async def run_server(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_signals, app, shutdown, nursery.cancel_scope)
             nursery.start_soon(_exit_on_engine_death, app, config, nursery.cancel_scope)
+            if llm.ready.kernels is not None:
+                print(f"trillm: {llm.ready.kernels.describe()}", file=sys.stderr, flush=True)
             print(
                 f"trillm: serving {config.http.served_model_name} on "
                 f"http://{config.host}:{config.port}",

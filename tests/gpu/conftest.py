@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from trillm.gpu import ModelRunner, TensorParallel, WorkerConfig, open_model
+from trillm.gpu import CpuFeatures, ModelRunner, TensorParallel, WorkerConfig, open_model
 from trillm.gpu._default_model import default_model_dir
 
 TINY = dict(
@@ -80,11 +80,15 @@ def make_runner(
     num_blocks: int = 64,
     block_size: int = 8,
     dtype: str = "float32",
+    cpu_features: CpuFeatures | None = None,
     **kw: object,
 ) -> ModelRunner:
+    """A loaded CPU runner; `cpu_features` stands in for the CPU probe's answer."""
     config = WorkerConfig(str(model_dir), device="cpu", dtype=dtype, block_size=block_size, **kw)  # type: ignore[arg-type]
     model_config, weights = open_model(config.model, config.load_format)
-    runner = ModelRunner(config, model_config, TensorParallel(), torch.device("cpu"))
+    runner = ModelRunner(
+        config, model_config, TensorParallel(), torch.device("cpu"), cpu_features=cpu_features
+    )
     runner.load_model(weights)
     runner.init_kv_cache(num_blocks)
     return runner

@@ -9,7 +9,13 @@ import pytest
 import torch
 import transformers
 
-from trillm.gpu import SamplingOptions
+from trillm.gpu import (
+    CpuFeatures,
+    CpuLinearUnsupportedError,
+    ModelRunner,
+    SamplingOptions,
+    probe_cpu_features,
+)
 
 from .conftest import make_runner, save_tiny
 from .driver import Driver, DriverRequest
@@ -135,22 +141,50 @@ def test_dummy_weights_run_without_a_checkpoint(tiny_model_dir: Path) -> None:
     assert len(requests[0].output) == 4
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def greedy_outputs(runner: ModelRunner) -> tuple[list[int], torch.Tensor]:
+    """Five greedy tokens of one prompt, and the logits of another's first step."""
+    requests = [DriverRequest(0, list(range(100, 131)), max_tokens=5)]
+    Driver(runner, 64).run(requests)
+    capture = CapturingSampler(runner.sampler)
+    runner.sampler = capture  # type: ignore[assignment]
+    Driver(runner, 64).run([DriverRequest(1, list(range(200, 219)), max_tokens=2)])
+    return requests[0].output, capture.logits[0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_onednn_packed_linears_match_aten(tiny_model_dir: Path, dtype: str) -> None:
-    """The oneDNN path (packed weights, dense copies dropped) and plain F.linear agree."""
+    """The oneDNN path (packed weights, dense copies dropped) and plain F.linear agree, on
+    every dtype this CPU's oneDNN packs (float32 on any x86-64 CPU)."""
+    if dtype not in probe_cpu_features().onednn_packs:
+        pytest.skip(f"oneDNN cannot pack {dtype} on this CPU ({probe_cpu_features().summary()})")
     packed = make_runner(tiny_model_dir, dtype=dtype)
     plain = make_runner(tiny_model_dir, dtype=dtype, cpu_linear="aten")
+    assert packed.kernels is not None and packed.kernels.linear == "onednn"
     assert packed.model.layers[0].mlp.down_proj.packed is not None
     assert packed.model.layers[0].mlp.down_proj.weight.numel() == 0
     assert plain.model.layers[0].mlp.down_proj.packed is None
-    outputs = []
-    for runner in (packed, plain):
-        requests = [DriverRequest(0, list(range(100, 131)), max_tokens=5)]
-        Driver(runner, 64).run(requests)
-        capture = CapturingSampler(runner.sampler)
-        runner.sampler = capture  # type: ignore[assignment]
-        Driver(runner, 64).run([DriverRequest(1, list(range(200, 219)), max_tokens=2)])
-        outputs.append((requests[0].output, capture.logits[0]))
-    assert outputs[0][0] == outputs[1][0]
+    (tokens, logits), (plain_tokens, plain_logits) = greedy_outputs(packed), greedy_outputs(plain)
+    assert tokens == plain_tokens
     tolerance = 1e-4 if dtype == "float32" else 0.1
-    torch.testing.assert_close(outputs[0][1], outputs[1][1], atol=tolerance, rtol=0)
+    torch.testing.assert_close(logits, plain_logits, atol=tolerance, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_cpu_that_cannot_pack_the_dtype_runs_plain_linears(
+    tiny_model_dir: Path, dtype: str
+) -> None:
+    """The probe forced to answer "no oneDNN for this dtype" (an AVX2-only CPU for bfloat16):
+    the model loads and runs on F.linear, on any machine, and says why."""
+    cannot = CpuFeatures("AVX2", onednn_packs=frozenset({"float32"} - {dtype}))
+    runner = make_runner(tiny_model_dir, dtype=dtype, cpu_features=cannot)
+    assert runner.kernels is not None and runner.kernels.linear == "aten"
+    assert f"cannot pack {dtype}" in runner.kernels.reason or "no oneDNN" in runner.kernels.reason
+    assert runner.model.layers[0].mlp.down_proj.packed is None
+    plain = make_runner(tiny_model_dir, dtype=dtype, cpu_linear="aten")
+    assert greedy_outputs(runner)[0] == greedy_outputs(plain)[0]
+
+
+def test_onednn_forced_on_a_cpu_that_cannot_pack_fails_before_loading(tiny_model_dir: Path) -> None:
+    avx2 = CpuFeatures("AVX2", onednn_packs=frozenset({"float32"}))
+    with pytest.raises(CpuLinearUnsupportedError, match="cannot pack bfloat16 on this CPU"):
+        make_runner(tiny_model_dir, dtype="bfloat16", cpu_linear="onednn", cpu_features=avx2)

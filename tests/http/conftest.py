@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import httpx
 import pytest
@@ -47,9 +48,14 @@ def serve_command(model: Path | str, port: int, *args: str) -> list[str]:
     ]  # fmt: skip
 
 
-def start_server(model: Path, *args: str) -> Server:
+def start_server(
+    model: Path, *args: str, env: dict[str, str] | None = None, stderr: IO[bytes] | None = None
+) -> Server:
+    """`trillm serve` in a subprocess, healthy; `env` adds to the environment."""
     port = free_port()
-    process = subprocess.Popen(serve_command(model, port, *args), env=dict(os.environ))
+    process = subprocess.Popen(
+        serve_command(model, port, *args), env={**os.environ, **(env or {})}, stderr=stderr
+    )
     server = Server(process, f"http://127.0.0.1:{port}")
     wait_healthy(process, server.base_url, 120)
     return server

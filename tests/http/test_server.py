@@ -12,6 +12,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
+
+from trillm.gpu._cpu_linear import packed_linear_available
 
 from ..procs import children
 from .conftest import Server, start_server
@@ -143,6 +146,9 @@ def test_unknown_route_oversized_body_and_request_id(server: Server) -> None:
     )
     r = httpx.get(f"{server.base_url}/version", headers={"X-Request-Id": "abc-123"})
     assert r.status_code == 200 and r.headers["x-request-id"] == "abc-123" and r.json()["version"]
+    kernels = r.json()["kernels"]  # float32 packs for oneDNN on any x86-64 CPU
+    assert kernels["device"] == "cpu" and kernels["dtype"] == "float32"
+    assert kernels["linear"] == ("onednn" if packed_linear_available(torch.float32) else "aten")
 
 
 def test_tokenize_detokenize_health_and_metrics(server: Server) -> None:

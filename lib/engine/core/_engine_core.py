@@ -69,6 +69,7 @@ class EngineCore:
             list(model.eos_token_ids),
             model.bos_token_id,
             os.getpid(),
+            self.executor.kernels,
         )
         self.outputs.send(P.READY, self._encoder.encode(ready), timeout=self.config.output_timeout)
 

@@ -17,7 +17,15 @@ import time
 
 import numpy as np
 
-from ...gpu import ModelConfig, RunnerOutput, StepBatch, Worker, WorkerConfig, WorkerFailure
+from ...gpu import (
+    KernelChoice,
+    ModelConfig,
+    RunnerOutput,
+    StepBatch,
+    Worker,
+    WorkerConfig,
+    WorkerFailure,
+)
 from ..protocol._errors import RemoteError
 from ._errors import WorkerDiedError
 
@@ -27,6 +35,7 @@ class Executor(abc.ABC):
 
     model_config: ModelConfig
     max_model_len: int
+    kernels: KernelChoice | None = None  # rank 0's, once initialized (None: no model)
 
     @abc.abstractmethod
     def initialize(self) -> int:
@@ -74,6 +83,7 @@ class UniprocExecutor(Executor):
         worker.init_kv_cache(num_blocks)
         self.model_config = worker.runner.model_config
         self.max_model_len = worker.runner.max_model_len
+        self.kernels = worker.kernels
         return num_blocks
 
     def execute(self, batch: StepBatch) -> RunnerOutput:

@@ -31,6 +31,7 @@ import msgspec
 import trio
 
 from ...gpu import (
+    KernelChoice,
     RunnerOutput,
     RunnerOutputCodec,
     StepBatch,
@@ -218,7 +219,10 @@ class MultiprocExecutor(Executor):
         self._broadcast(W.CMD_LOAD, b"")
         counts: list[int] = []
         for rank in self._ranks:
-            counts.append(W.U64.unpack_from(self._reply(rank, W.REPLY_NUM_BLOCKS))[0])
+            reply = self._reply(rank, W.REPLY_NUM_BLOCKS)
+            counts.append(W.U64.unpack_from(reply)[0])
+            if rank.rank == 0:
+                self.kernels = msgspec.msgpack.decode(reply[W.U64.size :], type=KernelChoice)
             rank.results.release()
         num_blocks = min(counts)
         self._broadcast(W.CMD_INIT_KV, W.U64.pack(num_blocks))

@@ -28,7 +28,7 @@ from typing import Final
 
 import msgspec
 
-from ...gpu import SamplingOptions
+from ...gpu import KernelChoice, SamplingOptions
 
 ADD: Final = 1
 ABORT: Final = 2
@@ -79,6 +79,7 @@ class Ready(msgspec.Struct, array_like=True, gc=False, frozen=True):
     eos_token_ids: list[int]
     bos_token_id: int | None
     pid: int
+    kernels: KernelChoice | None = None  # what the model runs with (None: no model)
 
 
 class Event(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):

@@ -91,6 +91,7 @@ def test_tensor_parallel_2_gives_the_uniproc_greedy_tokens(model_dir: Path) -> N
         assert num_blocks == 2 * uniproc_blocks  # each rank holds half the KV heads
         assert executor.model_config == uniproc.model_config
         assert executor.max_model_len == uniproc.max_model_len == 512
+        assert executor.kernels == uniproc.kernels is not None  # rank 0's, through its ring
         assert generate(executor, num_blocks) == expected
         pids = executor.pids
     assert executor.returncodes == [0, 0]

@@ -1,0 +1,58 @@
+"""Which kernels a model runs with, chosen once at load from what the device can do.
+
+The choice is a record (`KernelChoice`) because three places must show the same thing: the
+server's start-up line, `/version`, and the `trillm:kernel_info` metric. It is made on the
+worker (rank 0 reports it) and travels to the frontend in READY.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from ._cpu_linear import CpuFeatures, choose_cpu_linear, probe_cpu_features
+
+
+class KernelChoice(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """The kernels in use: device, dtype, the linear path and why. Field order is ABI.
+
+    `linear` is "onednn" (weights packed for oneDNN), "aten" (`F.linear`: MKL on CPU,
+    cuBLAS on CUDA); `isa` is what the choice depended on (`CpuFeatures.summary()` on CPU,
+    the GPU's name on CUDA).
+    """
+
+    device: str
+    dtype: str
+    linear: str
+    isa: str = ""
+    reason: str = ""
+
+    def describe(self) -> str:
+        """One line for a log: "kernels: bfloat16 on cpu, linears aten (isa ...; reason)"."""
+        why = "; ".join(part for part in (self.isa, self.reason) if part)
+        return f"kernels: {self.dtype} on {self.device}, linears {self.linear} ({why})"
+
+
+def choose_kernels(
+    device: torch.device,
+    dtype: torch.dtype,
+    cpu_linear: str,
+    cpu_features: CpuFeatures | None = None,
+) -> KernelChoice:
+    """The kernels for a model in `dtype` on `device`.
+
+    Args:
+        cpu_linear: "auto", "onednn" or "aten" (`WorkerConfig.cpu_linear`); CPU only.
+        cpu_features: the CPU's answer to use instead of probing it (tests force either
+            branch with it); None probes this CPU, once per process.
+
+    Raises:
+        CpuLinearUnsupportedError: "onednn" was asked for a dtype this CPU cannot pack.
+    """
+    name = str(dtype).removeprefix("torch.")
+    if device.type != "cpu":
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        return KernelChoice(str(device), name, "aten", gpu, "F.linear (cuBLAS)")
+    features = cpu_features if cpu_features is not None else probe_cpu_features()
+    linear = choose_cpu_linear(cpu_linear, dtype, features)
+    return KernelChoice("cpu", name, linear.path, features.summary(), linear.reason)
