@@ -68,8 +68,6 @@ class App:
         self.llm = llm
         self.config = config
         self.metrics = metrics
-        if llm.ready.kernels is not None:
-            metrics.set_kernels(msgspec.structs.asdict(llm.ready.kernels))
         self.generation = Generation(llm, config, metrics)
         self._routes: dict[tuple[str, str], Callable[..., Awaitable[None]]] = {
             ("GET", "/health"): self._health,

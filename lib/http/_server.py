@@ -18,6 +18,7 @@ import signal
 import sys
 from dataclasses import dataclass
 
+import msgspec.structs
 import trio
 from hypercorn.config import Config as HypercornConfig
 
@@ -56,7 +57,10 @@ async def run_server(
             alive); the message names the root cause.
     """
     async with open_llm(config.llm) as llm:
-        app = App(llm, config.http, Metrics(config.http.served_model_name))
+        metrics = Metrics(config.http.served_model_name)
+        if llm.ready.kernels is not None:
+            metrics.set_kernels(msgspec.structs.asdict(llm.ready.kernels))
+        app = App(llm, config.http, metrics)
         hconfig = HypercornConfig()
         hconfig.bind = [f"{config.host}:{config.port}"]
         # In-flight requests end at the shutdown timeout, then have their last writes; then

@@ -30,7 +30,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield server
 
 
-async def one(port: int, stream: bool, results: list[tuple[int, float, str, bytes]]) -> None:
+Result = tuple[int, float, str, bytes, float]  # status, answered after, head, body, done at
+
+
+async def one(port: int, stream: bool, results: list[Result]) -> None:
     body = json.dumps(
         {"prompt": "queue", "max_tokens": 40, "stream": stream, "ignore_eos": True}
     ).encode()
@@ -47,14 +50,14 @@ async def one(port: int, stream: bool, results: list[tuple[int, float, str, byte
             if not chunk:
                 break
             rest += chunk
-        results.append((status, answered, reader.head, rest))
+        results.append((status, answered, reader.head, rest, time.monotonic()))
 
 
 async def test_a_burst_beyond_the_limit_is_refused_at_once_and_the_admitted_all_served(
     server: Server,
 ) -> None:
     port = port_of(server)
-    results: list[tuple[int, float, str, bytes]] = []
+    results: list[Result] = []
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             for i in range(BURST):
@@ -63,16 +66,16 @@ async def test_a_burst_beyond_the_limit_is_refused_at_once_and_the_admitted_all_
     refused = [r for r in results if r[0] == 429]
     assert len(results) == BURST and len(served) + len(refused) == BURST, [r[0] for r in results]
     assert len(served) == LIMIT  # each takes >= 0.4 s: none ended before the burst was in
-    for _, _, head, rest in refused:
+    for _, _, head, rest, _ in refused:
         assert "retry-after: 1" in head.lower()
         error = json.loads(dechunk(rest))["error"]
         assert error["type"] == "rate_limit_exceeded" and error["code"] == "overloaded"
-    for _, _, head, rest in served:
+    for _, _, head, rest, _ in served:
         if "text/event-stream" in head:
             assert b"data: [DONE]" in rest and b'"finish_reason":"length"' in rest
         else:
             assert json.loads(dechunk(rest))["usage"]["completion_tokens"] == 40
-    slowest_refusal = max(answered for _, answered, _, _ in refused)
+    slowest_refusal = max(answered for _, answered, _, _, _ in refused)
     record(
         11,
         f"429 with Retry-After for a burst of {BURST} over a limit of {LIMIT}, slowest",
@@ -82,4 +85,6 @@ async def test_a_burst_beyond_the_limit_is_refused_at_once_and_the_admitted_all_
     record(
         11, "admitted requests served (2 running, the rest queued in the engine)", len(served), ""
     )
-    assert slowest_refusal < 1.0  # refused at once, not after the admitted ones (>= 0.4 s)
+    # Refused at once: every 429 was whole before the first admitted request (>= 0.4 s of
+    # steps) was done, so no refusal waited for a slot to free up.
+    assert max(done for *_, done in refused) < min(done for *_, done in served)

@@ -153,4 +153,4 @@ def test_a_client_that_stops_reading_does_not_hold_a_graceful_shutdown(
 
         took = trio.run(stall_then_terminate)
     record(9, "SIGTERM to exit with a stalled reader (--shutdown-timeout 1)", took, "s")
-    assert took < shutdown_timeout + 5
+    assert took < shutdown_timeout + 30  # not held by the stalled writes (write timeout 600 s)

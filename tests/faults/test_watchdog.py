@@ -39,8 +39,9 @@ async def test_a_stopped_engine_is_declared_dead_after_the_watchdog_timeout(mode
         record(4, f"streams ended after SIGSTOP (watchdog {TIMEOUT:g} s), first", min(ended), "s")
         record(4, f"streams ended after SIGSTOP (watchdog {TIMEOUT:g} s), last", max(ended), "s")
         # Silence is measured from the last beat the watchdog saw move, which can be one beat
-        # (0.1 s) before the SIGSTOP; it checks every TIMEOUT / 4.
-        assert min(ended) >= TIMEOUT - 0.2 and max(ended) < TIMEOUT + 1.5
+        # (0.1 s) before the SIGSTOP; it checks every TIMEOUT / 4. Never before the timeout;
+        # after it, soon (the streams would otherwise wait for the 90 s limit).
+        assert min(ended) >= TIMEOUT - 0.2 and max(ended) < TIMEOUT + 5
         for stream in streams:
             assert stream.error is not None
             assert stream.error.startswith(

@@ -103,6 +103,8 @@ async def test_stop_string_across_token_boundaries_is_excluded(llm: AsyncLLM) ->
 
 
 async def test_a_slow_consumer_receives_every_token(llm: AsyncLLM) -> None:
+    """A consumer that reads nothing while the engine finishes gets the rest in one merged
+    output: causality, not timing (the other request cannot finish before this one)."""
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     whole = (await llm.complete("Slowly", params))[0]
     tokens: list[int] = []
@@ -111,9 +113,12 @@ async def test_a_slow_consumer_receives_every_token(llm: AsyncLLM) -> None:
         async for output in stream:
             tokens += output.token_ids
             chunks += 1
-            await trio.sleep(0.05)  # the engine runs ahead; outputs merge in the mailbox
+            if chunks == 1:
+                # Admitted later with as many tokens to make, it finishes in this request's
+                # last step or after it: every remaining output is now merged in the mailbox.
+                await llm.complete("Meanwhile", params)
     assert tokens == whole.token_ids
-    assert chunks < 30
+    assert chunks <= 2  # 30 tokens, one per step: merged (1 if the first read came late)
 
 
 async def test_cancelled_consumers_abort_in_the_engine(llm: AsyncLLM) -> None:
@@ -165,7 +170,7 @@ async def test_sigkill_of_the_engine_fails_64_streams_naming_sigkill(llm: AsyncL
         killed = time.monotonic()
         os.kill(llm.ready.pid, signal.SIGKILL)
     elapsed = time.monotonic() - killed
-    assert len(errors) == 64 and elapsed < 0.5
+    assert len(errors) == 64 and elapsed < 2.0  # at once: the pidfd, not a timeout (30 s)
     assert all("killed by signal 9 (SIGKILL)" in str(e) for e in errors)
     assert llm.errored
     with pytest.raises(EngineDeadError, match="SIGKILL"):
