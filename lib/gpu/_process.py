@@ -31,3 +31,23 @@ def die_with_parent(parent_pid: int) -> None:
         raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
     if os.getppid() != parent_pid:
         raise ParentDiedError(f"the parent (pid {parent_pid}) exited before this process started")
+
+
+_PF_EXITING: Final = 0x4  # include/linux/sched.h: set when do_exit() begins
+
+
+def is_exiting(pid: int) -> bool:
+    """Whether process `pid` has begun to exit (or is gone), though it may not be reaped yet.
+
+    Why: a killed process closes its sockets before its pidfd turns readable, so a peer's
+    "connection reset" can be seen before the death itself. A supervisor that takes "pidfd not
+    readable" for "alive" then blames the peer. The kernel flags the task `PF_EXITING` at the
+    start of `do_exit()`, before it closes any file, and /proc shows it.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    fields = stat[stat.rindex(b")") + 2 :].split()  # after "pid (comm) ": state, ppid, ...
+    return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & _PF_EXITING)

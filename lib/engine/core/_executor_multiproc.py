@@ -41,6 +41,7 @@ from ...gpu import (
     open_model,
 )
 from ...gpu import _worker_process as W
+from ...gpu._process import is_exiting
 from ...transport_shm import BusyError, Record, RingReader, RingWriter
 from ..protocol._errors import RemoteError
 from ._errors import WorkerDiedError
@@ -69,6 +70,7 @@ class _Rank:
     failure: WorkerFailure | None = None
     failed_at_ns: int = 0
     returncode: int | None = None
+    exiting: bool = False  # its exit has begun, its pidfd is not readable yet
 
     @property
     def has_failed(self) -> bool:
@@ -324,8 +326,11 @@ class MultiprocExecutor(Executor):
     def _sweep(self) -> None:
         """Collect FAILURE records and exits of every rank; never blocks.
 
-        Rings first, pidfds second: a failure seen in a ring that a peer's death caused
-        implies the death is visible to the poll that follows.
+        Rings first, pidfds second, and a rank that has begun to exit is not seen alive: a
+        killed rank closes its sockets (so a peer's collective fails and reports) before its
+        pidfd turns readable, and under load that gap is long enough for a sweep to fall in
+        it. Its `alive_at_ns` then stays at the last sweep before its death began, earlier
+        than any failure that death caused.
         """
         for rank in self._ranks:
             if rank.returncode is None:
@@ -339,12 +344,15 @@ class MultiprocExecutor(Executor):
                 self._exits.unregister(rank.pidfd)
                 rank.returncode = rank.process.wait()
                 rank.take_failures(drain=True)
+            elif is_exiting(rank.process.pid):
+                rank.exiting = True
             else:
                 rank.alive_at_ns = now
 
     def _root_cause(self) -> RemoteError | None:
+        """The earliest failure, once no rank is still on its way out (it may be earlier)."""
         failed = [rank for rank in self._ranks if rank.has_failed]
-        if not failed:
+        if not failed or any(rank.exiting and not rank.has_failed for rank in self._ranks):
             return None
         first = min(failed, key=lambda rank: (rank.failed_since_ns, rank.rank))
         self._error = first.remote_error()
