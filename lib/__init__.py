@@ -18,6 +18,8 @@ _LAZY = {
     "PromptTooLongError": "trillm.engine.client._errors",
     "SamplingParams": "trillm.engine.client._sampling_params",
     "SamplingParamsError": "trillm.engine.client._sampling_params",
+    "StructuredOutputs": "trillm.engine.client._structured",
+    "StructuredOutputError": "trillm.engine.client._structured",
     "EngineConfig": "trillm.engine.protocol._config",
     "EngineDeadError": "trillm.engine.client._errors",
     "EngineStartError": "trillm.engine.client._launch",

@@ -15,9 +15,12 @@ from .client import EngineStartError as EngineStartError
 from .client import LLMConfig as LLMConfig
 from .client import Output as Output
 from .client import PromptTooLongError as PromptTooLongError
+from .client import RequestFailedError as RequestFailedError
 from .client import RequestStream as RequestStream
 from .client import SamplingParams as SamplingParams
 from .client import SamplingParamsError as SamplingParamsError
+from .client import StructuredOutputError as StructuredOutputError
+from .client import StructuredOutputs as StructuredOutputs
 from .client import TokenLogprob as TokenLogprob
 from .client import open_llm as open_llm
 from .core import Executor as Executor

@@ -9,12 +9,15 @@ persistent rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
 from ._attention import AttentionMetadata, PrefillSpan
 from ._config import WorkerConfig
 from ._cpu_linear import CpuFeatures
+from ._grammar_mask import apply_grammar_bitmask
 from ._input_batch import InputBatch, StepInputs
 from ._kernels import KernelChoice, choose_kernels
 from ._model_config import ModelConfig
@@ -140,8 +143,14 @@ class ModelRunner:
     # -- one step ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch) -> RunnerOutput:
-        """Run one step; every rank runs it, rank 0's output is the one the engine reads."""
+    def execute(
+        self, batch: StepBatch, masks: Callable[[], np.ndarray] | None = None
+    ) -> RunnerOutput:
+        """Run one step; every rank runs it, rank 0's output is the one the engine reads.
+
+        `masks` waits for the grammar bitmask of `batch.grammar_rnums` (computed while the
+        forward runs); it is called after the forward, just before sampling.
+        """
         if self.model is None or not self.kv_caches:
             raise RuntimeError("execute() before load_model() and init_kv_cache()")
         self._update_requests(batch)
@@ -163,6 +172,13 @@ class ModelRunner:
             return RunnerOutput(rnums, np.zeros(0, np.int32), prompt_logprobs=prompt_logprobs)
         last = inputs.token_starts[sampling] + inputs.counts[sampling] - 1
         logits = self.model.compute_logits(hidden[self._tensor(last)])
+        if len(batch.grammar_rnums):
+            bitmask = batch.grammar_bitmask if batch.grammar_bitmask is not None else None
+            if bitmask is None and masks is not None:
+                bitmask = masks()
+            if bitmask is None:
+                raise RuntimeError("a step with grammar rows came without their bitmask")
+            apply_grammar_bitmask(logits, rnums, batch.grammar_rnums, bitmask)
         states = [self.sampling[int(r)] for r in rnums]
         sampled = self.sampler(logits, self._sampling_batch(states))
         return self._finish(inputs, sampling, rnums, states, sampled, prompt_logprobs)

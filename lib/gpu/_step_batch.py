@@ -40,6 +40,12 @@ class StepBatch:
     scheduled_rnums: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     num_scheduled_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     finished_rnums: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+    # Structured outputs: the sampling rows whose logits a grammar masks this step, and (at
+    # TP > 1, where it rides in the broadcast) their bitmask: int32 [rows, ceil(vocab / 32)],
+    # bit t % 32 of word t // 32 set where token t is allowed. At TP 1 the bitmask comes
+    # from `execute`'s `masks` instead, computed while the forward runs.
+    grammar_rnums: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -77,6 +83,9 @@ class _WireStep(msgspec.Struct, array_like=True, gc=False):
     scheduled_rnums: bytes
     num_scheduled_tokens: bytes
     finished_rnums: bytes
+    grammar_rnums: bytes = b""
+    grammar_words: int = 0
+    grammar_bitmask: bytes = b""
 
 
 class StepBatchCodec:
@@ -97,6 +106,14 @@ class StepBatchCodec:
             batch.num_scheduled_tokens.astype("<i4", copy=False).tobytes(),
             batch.finished_rnums.astype("<u8", copy=False).tobytes(),
         )
+        if len(batch.grammar_rnums):
+            if batch.grammar_bitmask is None:
+                raise ValueError(
+                    "a StepBatch with grammar rows needs its grammar_bitmask to travel"
+                )
+            wire.grammar_rnums = batch.grammar_rnums.astype("<u8", copy=False).tobytes()
+            wire.grammar_words = int(batch.grammar_bitmask.shape[1])
+            wire.grammar_bitmask = np.ascontiguousarray(batch.grammar_bitmask, "<i4").tobytes()
         self._encoder.encode_into(wire, buffer)
 
     def decode(self, data: bytes | memoryview) -> StepBatch:
@@ -110,6 +127,10 @@ class StepBatchCodec:
             np.frombuffer(wire.scheduled_rnums, "<u8"),
             np.frombuffer(wire.num_scheduled_tokens, "<i4"),
             np.frombuffer(wire.finished_rnums, "<u8"),
+            np.frombuffer(wire.grammar_rnums, "<u8"),
+            np.frombuffer(wire.grammar_bitmask, "<i4").reshape(-1, wire.grammar_words)
+            if wire.grammar_words
+            else None,
         )
 
 

@@ -9,7 +9,9 @@ sized. The executor calls, in order: `init_device`, `load_model`, `num_available
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -118,8 +120,10 @@ class Worker:
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.init_kv_cache(num_blocks)
 
-    def execute(self, batch: StepBatch) -> RunnerOutput:
-        return self.runner.execute(batch)
+    def execute(
+        self, batch: StepBatch, masks: Callable[[], np.ndarray] | None = None
+    ) -> RunnerOutput:
+        return self.runner.execute(batch, masks)
 
     def shutdown(self) -> None:
         """Leave the process group (idempotent)."""

@@ -13,9 +13,13 @@ from ._async_llm import open_llm as open_llm
 from ._config import LLMConfig as LLMConfig
 from ._errors import EngineDeadError as EngineDeadError
 from ._errors import PromptTooLongError as PromptTooLongError
+from ._errors import RequestFailedError as RequestFailedError
 from ._launch import EngineStartError as EngineStartError
 from ._outputs import Output as Output
 from ._outputs import TokenLogprob as TokenLogprob
 from ._sampling_params import SamplingParams as SamplingParams
 from ._sampling_params import SamplingParamsError as SamplingParamsError
 from ._streams import RequestStream as RequestStream
+from ._structured import MAX_GRAMMAR_BYTES as MAX_GRAMMAR_BYTES
+from ._structured import StructuredOutputError as StructuredOutputError
+from ._structured import StructuredOutputs as StructuredOutputs

@@ -26,12 +26,13 @@ from ..protocol._errors import RemoteError
 from ..protocol._step_record import StepView
 from ._config import LLMConfig
 from ._detokenizer import IncrementalDetokenizer, StopChecker
-from ._errors import EngineDeadError, PromptTooLongError
+from ._errors import EngineDeadError, PromptTooLongError, RequestFailedError
 from ._launch import EngineStartError, spawn_engine
 from ._output_processor import OutputProcessor, RequestState
 from ._outputs import Mailbox, Output
 from ._sampling_params import SamplingParams
 from ._streams import RequestStream, load_tokenizer, prompt_logprobs_output
+from ._structured import GrammarChecker, build_ll_tokenizer
 from ._watchdog import not_responding_error, wait_heartbeat_stopped
 
 
@@ -41,6 +42,7 @@ class AsyncLLM:
     def __init__(self, config: LLMConfig) -> None:
         self.config = config
         self.tokenizer: Any = None
+        self._grammar_checker: GrammarChecker | None = None
         self._backend: Any = None
         self._rnums = itertools.count(1)
         self._processor = OutputProcessor()
@@ -96,6 +98,7 @@ class AsyncLLM:
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
         max_tokens = self.check_length(len(token_ids), params)
+        grammar = await self.check_structured(params)
         mailbox = Mailbox()
         states = [self._new_state(mailbox, i, token_ids, params) for i in range(params.n)]
         for state in states:
@@ -103,7 +106,7 @@ class AsyncLLM:
         try:
             for state in states:
                 options = params.child_options(state.index, vocab_size=self.ready.vocab_size)
-                await self._send_add(state.rnum, options, max_tokens, token_ids)
+                await self._send_add(state.rnum, options, max_tokens, token_ids, grammar)
             self._processor.stats.prompt_tokens += len(token_ids) * params.n
             yield RequestStream(mailbox, params.n)
         finally:
@@ -195,8 +198,28 @@ class AsyncLLM:
             arrival_time=time.monotonic(),
         )
 
-    async def _send_add(self, rnum: int, options: Any, max_tokens: int, ids: list[int]) -> None:
-        header = self._encoder.encode(P.AddHeader(rnum, options, max_tokens, time.time()))
+    async def check_structured(self, params: SamplingParams) -> str:
+        """The checked grammar of `params.structured_outputs` ("" for none), so a bad one is
+        refused before a response starts (`generate` checks it too: once, it is cached).
+
+        Raises:
+            StructuredOutputError: invalid, too large, or not checked in time.
+        """
+        if params.structured_outputs is None:
+            return ""
+        if self._grammar_checker is None:
+            tokenizer, vocab = self.tokenizer, self.ready.vocab_size
+            self._grammar_checker = GrammarChecker(
+                lambda: build_ll_tokenizer(tokenizer, vocab),
+                timeout=self.config.engine.structured_outputs_timeout,
+            )
+        return await self._grammar_checker.check(params.structured_outputs)
+
+    async def _send_add(
+        self, rnum: int, options: Any, max_tokens: int, ids: list[int], grammar: str = ""
+    ) -> None:
+        add = P.AddHeader(rnum, options, max_tokens, time.time(), grammar)
+        header = self._encoder.encode(add)
         offset, size = P.add_size(header, len(ids))
         async with self._send_lock:
             view = await self._reserve(size)
@@ -352,6 +375,10 @@ class AsyncLLM:
         if event.kind == "prompt_logprobs":
             state = self._processor.states.get(event.rnum)
             if state is not None and state.mailbox.put(prompt_logprobs_output(state, event)):
+                state.mailbox.wake()
+        elif event.kind == "request_error":  # this request alone failed in the engine
+            state = self._processor.states.pop(event.rnum, None)
+            if state is not None and state.mailbox.fail(RequestFailedError(str(event.result))):
                 state.mailbox.wake()
         elif event.kind == "utility_result":
             waiter = self._utility_waiters.get(event.call_id)

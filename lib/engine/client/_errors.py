@@ -23,5 +23,10 @@ class EngineDeadError(RuntimeError):
             self.__cause__ = RemoteTraceback(error.traceback)
 
 
+class RequestFailedError(ValueError):
+    """The engine refused one request (its grammar did not compile in time, ...): the
+    caller's 400; the engine and the other requests go on."""
+
+
 class PromptTooLongError(ValueError):
     """The prompt plus max_tokens exceed the engine's max model length."""

@@ -15,6 +15,7 @@ import msgspec
 import msgspec.structs
 
 from ...gpu import SamplingOptions
+from ._structured import StructuredOutputs
 
 MAX_N = 128  # OpenAI's limit on choices per request
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit; vLLM's default max_logprobs
@@ -89,6 +90,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs: the output must match this (checked by `AsyncLLM` before the
+    # request starts; the engine enforces it with a token mask every step).
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if self.top_k == -1:

@@ -4,6 +4,10 @@ Idle, it sleeps on the request ring's doorbell (waking once a second to check th
 health). Busy, each iteration drains the request ring (ADD, ABORT, UTILITY, SHUTDOWN),
 schedules, executes, drains again (so aborts that arrived during the forward drop their
 tokens), updates, and writes one STEP record for every request that moved.
+
+Structured outputs: a request with a grammar waits while it compiles in `Grammars`' threads
+(the loop polls them each iteration, and naps at most `GRAMMAR_POLL_S` on the ring while
+only compiles are pending); each step's grammar masks are computed while the forward runs.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ from ..protocol import _messages as P
 from ..protocol._config import EngineConfig
 from ..protocol._step_record import FinishReason, write_step
 from ._executor import Executor
-from ._request import Request
+from ._grammar import Grammars, load_ll_tokenizer
+from ._request import Request, RequestStatus
 from ._scheduler import InvalidRequestError, Scheduler, SchedulerConfig, StepResult
 
 IDLE_POLL_S = 1.0
+GRAMMAR_POLL_S = 0.002  # the longest nap on the ring while a grammar compiles
 
 
 class EngineCore:
@@ -43,6 +49,7 @@ class EngineCore:
         self._draining_until: float | None = None
         self._needs_flush = False  # aborts to report even if nothing else runs
         self._rejected: list[int] = []  # invalid ADDs: reported as ERROR rows
+        self._grammars: Grammars | None = None  # made at the first structured request
 
     def start(self) -> None:
         """Executor (weights) -> KV cache size -> scheduler -> READY (DESIGN.md §6)."""
@@ -76,20 +83,30 @@ class EngineCore:
     def run(self) -> None:
         """Step until a SHUTDOWN is done: drained (or its deadline passed), or aborted."""
         while True:
-            busy = self.scheduler.has_unfinished_requests() or self._needs_flush
+            self._admit_compiled()
+            busy = self.scheduler.has_schedulable_requests() or self._needs_flush
+            compiling = self._grammars is not None and self._grammars.num_pending > 0
             # Idle and draining: nothing is left to wait for (blocking here cost a 1 s poll).
-            self._drain_requests(block=not busy and self._draining_until is None)
+            self._drain_requests(
+                block=not busy and (self._draining_until is None or compiling),
+                timeout=GRAMMAR_POLL_S if compiling else IDLE_POLL_S,
+            )
             if self._draining_until is not None and time.monotonic() >= self._draining_until:
                 self._abort_all()
-            if self.scheduler.has_unfinished_requests() or self._needs_flush:
+            if self.scheduler.has_schedulable_requests() or self._needs_flush:
                 self._step()
-            elif self._draining_until is not None:
+            elif self._draining_until is not None and not self.scheduler.has_unfinished_requests():
                 return
 
     def _step(self) -> None:
         self._needs_flush = False
         batch = self.scheduler.schedule()
-        output = self.executor.execute(batch)
+        masks = None
+        if len(batch.grammar_rnums) and self._grammars is not None:
+            requests = self.scheduler.requests
+            states = [requests[rnum].grammar for rnum in batch.grammar_rnums.tolist()]
+            masks = self._grammars.start_masks([s for s in states if s is not None])
+        output = self.executor.execute(batch, masks)
         self._drain_requests(block=False)  # aborts that arrived meanwhile drop their tokens
         result = self.scheduler.update_from_output(batch, output)
         self._write(result)
@@ -132,11 +149,11 @@ class EngineCore:
 
     # -- the request ring ----------------------------------------------------------------
 
-    def _drain_requests(self, *, block: bool) -> None:
+    def _drain_requests(self, *, block: bool, timeout: float = IDLE_POLL_S) -> None:
         reader = self.requests
         if block:
             try:
-                reader.peek(timeout=IDLE_POLL_S)
+                reader.peek(timeout=timeout)
             except BusyError:
                 self.executor.check_health()
                 return
@@ -158,6 +175,8 @@ class EngineCore:
                 eos_token_id=self.eos_token_id,
                 arrival_time=header.arrival_time,
             )
+            if header.grammar:
+                request.status = RequestStatus.WAITING_FOR_GRAMMAR
             try:
                 self.scheduler.add_request(request)
             except InvalidRequestError as exc:  # the frontend validates; never kill the engine
@@ -165,6 +184,8 @@ class EngineCore:
                 self._send_event(P.Event("request_error", rnum=header.rnum, result=str(exc)))
                 self._needs_flush = True
                 return
+            if header.grammar:
+                self._grammars_for_requests().submit(header.rnum, header.grammar)
             if self._draining_until is not None:  # draining admits nothing new
                 self._abort([header.rnum])
         elif kind == P.ABORT:
@@ -182,8 +203,38 @@ class EngineCore:
             raise ValueError(f"unknown request-ring record kind {kind}")
 
     def _abort(self, rnums: list[int]) -> None:
+        if self._grammars is not None:
+            for rnum in rnums:
+                self._grammars.cancel(rnum)
         if self.scheduler.abort_requests(rnums):
             self._needs_flush = True
+
+    # -- structured outputs ----------------------------------------------------------------
+
+    def _grammars_for_requests(self) -> Grammars:
+        if self._grammars is None:
+            model = self.executor.model_config
+            path = self.config.tokenizer or self.config.worker.model
+            vocab, eos = model.vocab_size, list(model.eos_token_ids)
+            self._grammars = Grammars(
+                lambda: load_ll_tokenizer(path, vocab, eos),
+                vocab,
+                timeout=self.config.structured_outputs_timeout,
+            )
+        return self._grammars
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar compiled; fail those whose compile failed."""
+        if self._grammars is None or not self._grammars.num_pending:
+            return
+        ready, failed = self._grammars.poll()
+        for rnum, state in ready:
+            self.scheduler.grammar_ready(rnum, state)
+        for rnum, message in failed:
+            if self.scheduler.grammar_failed(rnum):
+                self._rejected.append(rnum)
+                self._send_event(P.Event("request_error", rnum=rnum, result=message))
+                self._needs_flush = True
 
     def _abort_all(self) -> None:
         self._abort(self.scheduler.unfinished_rnums())

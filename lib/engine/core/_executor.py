@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -29,6 +30,8 @@ from ...gpu import (
 from ..protocol._errors import RemoteError
 from ._errors import WorkerDiedError
 
+Masks = Callable[[], np.ndarray]  # waits for a step's grammar bitmask
+
 
 class Executor(abc.ABC):
     """Loads the model on every rank, sizes the KV cache, and runs steps."""
@@ -42,8 +45,9 @@ class Executor(abc.ABC):
         """Load the model everywhere, allocate the KV cache; return its number of blocks."""
 
     @abc.abstractmethod
-    def execute(self, batch: StepBatch) -> RunnerOutput:
-        """Run one step; rank 0's output.
+    def execute(self, batch: StepBatch, masks: Masks | None = None) -> RunnerOutput:
+        """Run one step; rank 0's output. `masks` waits for the grammar bitmask of
+        `batch.grammar_rnums` (being computed meanwhile); call it only before sampling.
 
         Raises:
             WorkerDiedError: a rank raised or exited.
@@ -86,9 +90,9 @@ class UniprocExecutor(Executor):
         self.kernels = worker.kernels
         return num_blocks
 
-    def execute(self, batch: StepBatch) -> RunnerOutput:
+    def execute(self, batch: StepBatch, masks: Masks | None = None) -> RunnerOutput:
         try:
-            return self.worker.execute(batch)
+            return self.worker.execute(batch, masks)
         except Exception as exc:
             raise failure_error(WorkerFailure.from_exception(0, exc)) from exc
 
@@ -100,7 +104,9 @@ class NullExecutor(Executor):
     """No model: token `(rnum + step) % 1000 + 100` for every sampling row after `step_time`.
 
     A row samples when the step reaches the end of its known tokens, exactly as the runner
-    decides, so the scheduler's chunked prefill and stop conditions run for real.
+    decides, so the scheduler's chunked prefill and stop conditions run for real. A row under
+    a grammar takes the lowest token its mask allows, so structured requests run for real too
+    (and their mask cost is measured without a model).
     """
 
     def __init__(
@@ -120,7 +126,7 @@ class NullExecutor(Executor):
     def initialize(self) -> int:
         return self.num_blocks
 
-    def execute(self, batch: StepBatch) -> RunnerOutput:
+    def execute(self, batch: StepBatch, masks: Masks | None = None) -> RunnerOutput:
         started = time.perf_counter()
         lengths = self._lengths
         for rnum in batch.finished_rnums.tolist():
@@ -145,6 +151,14 @@ class NullExecutor(Executor):
         tokens = ((rnums + np.uint64(batch.step)) % np.uint64(1000) + np.uint64(100)).astype(
             np.int32
         )
+        if len(batch.grammar_rnums):
+            bitmask = batch.grammar_bitmask if batch.grammar_bitmask is not None else None
+            bitmask = bitmask if bitmask is not None or masks is None else masks()
+            if bitmask is not None:
+                row_of = {rnum: i for i, rnum in enumerate(sampled)}
+                bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
+                for rnum, allowed in zip(batch.grammar_rnums.tolist(), bits, strict=True):
+                    tokens[row_of[rnum]] = int(np.argmax(allowed))
         remaining = self.step_time - (time.perf_counter() - started)
         if remaining > 0:
             time.sleep(remaining)

@@ -45,7 +45,7 @@ from ...gpu._process import is_exiting
 from ...transport_shm import BusyError, Record, RingReader, RingWriter
 from ..protocol._errors import RemoteError
 from ._errors import WorkerDiedError
-from ._executor import Executor
+from ._executor import Executor, Masks
 
 WATCH_INTERVAL: Final = 0.02  # seconds between sweeps while a ring wait is blocked
 SIDE_RING_CAPACITY: Final = 1 << 20  # result rings of ranks > 0: replies to LOAD and failures
@@ -237,8 +237,12 @@ class MultiprocExecutor(Executor):
         self.max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
         return num_blocks
 
-    def execute(self, batch: StepBatch) -> RunnerOutput:
+    def execute(self, batch: StepBatch, masks: Masks | None = None) -> RunnerOutput:
+        """Broadcast the step; its grammar bitmask rides in the same record (so here it is
+        waited for before the ranks start, not overlapped with their forward)."""
         self._check_usable()
+        if masks is not None and len(batch.grammar_rnums):
+            batch.grammar_bitmask = masks()
         self._step_codec.encode_into(batch, self._buffer)
         self._broadcast(W.CMD_STEP, self._buffer)
         rank0 = self._ranks[0]

@@ -13,12 +13,15 @@ from dataclasses import dataclass, field
 
 from ...gpu import PromptLogprobs, SamplingOptions
 from ..protocol._step_record import FinishReason
+from ._grammar import GrammarState
 
 
 class RequestStatus(enum.Enum):
     """WAITING: queued, never run. RUNNING: admitted, holds blocks. PREEMPTED: queued again,
-    its blocks freed, its outputs kept. FINISHED: done, for the `finish_reason`."""
+    its blocks freed, its outputs kept. FINISHED: done, for the `finish_reason`.
+    WAITING_FOR_GRAMMAR: its grammar compiles; held outside the queues until it is ready."""
 
+    WAITING_FOR_GRAMMAR = enum.auto()
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
@@ -50,6 +53,7 @@ class Request:
     # One past the last prompt position whose logprobs were reported (positions start at 1),
     # so a recompute after preemption does not report them twice.
     prompt_logprobs_end: int = 1
+    grammar: GrammarState | None = None  # structured outputs: the matcher, once compiled
     _all_token_ids: list[int] = field(init=False, repr=False)
     # EOS (unless ignored) and the stop token ids: one set test per sampled token.
     stop_token_set: frozenset[int] = field(init=False, repr=False)

@@ -22,6 +22,7 @@ import numpy as np
 
 from ...gpu import NewRequest, PromptLogprobs, RunnerOutput, StepBatch
 from ..protocol._step_record import FinishReason
+from ._grammar import GrammarState, GrammarViolationError
 from ._kv_cache_manager import KVCacheManager
 from ._request import Request, RequestStatus
 
@@ -118,6 +119,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()  # FCFS; preempted requests re-enter at the front
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.requests: dict[int, Request] = {}  # rnum -> every unfinished request
+        # Requests whose grammar compiles (structured outputs): in `requests`, in no queue.
+        self.waiting_for_grammar: dict[int, Request] = {}
         self.num_preemptions = 0
         self._step = 0
         self._finished_rnums: list[int] = []  # rows the runner drops at its next step
@@ -150,7 +153,30 @@ class Scheduler:
                 f"request {request.rnum} asks for max_tokens {request.max_tokens}: ask for >= 1"
             )
         self.requests[request.rnum] = request
+        if request.status is RequestStatus.WAITING_FOR_GRAMMAR:
+            self.waiting_for_grammar[request.rnum] = request
+        else:
+            self.waiting.append(request)
+
+    def grammar_ready(self, rnum: int, grammar: GrammarState) -> bool:
+        """Queue a request whose grammar compiled (False: it was aborted meanwhile)."""
+        request = self.waiting_for_grammar.pop(rnum, None)
+        if request is None:
+            return False
+        request.grammar = grammar
+        request.status = RequestStatus.WAITING
         self.waiting.append(request)
+        return True
+
+    def grammar_failed(self, rnum: int) -> bool:
+        """Finish with ERROR a request whose grammar failed to compile (False: it was
+        aborted meanwhile). It holds no blocks; the caller reports its error row."""
+        request = self.waiting_for_grammar.pop(rnum, None)
+        if request is None:
+            return False
+        del self.requests[rnum]
+        request.finish(FinishReason.ERROR)
+        return True
 
     def abort_requests(self, rnums: Iterable[int]) -> list[Request]:
         """Finish `rnums` with ABORT and free their blocks now; unknown or finished rnums are
@@ -166,6 +192,7 @@ class Scheduler:
                 continue
             if request.status is RequestStatus.RUNNING:
                 self._finished_rnums.append(request.rnum)
+            self.waiting_for_grammar.pop(request.rnum, None)
             self.kv_cache_manager.free(request)
             request.finish(FinishReason.ABORT)
             aborted.append(request)
@@ -187,6 +214,7 @@ class Scheduler:
         running = self.running
         rnums: list[int] = []
         counts: list[int] = []
+        grammar_rnums: list[int] = []  # rows that sample this step under a grammar
         cached_new_blocks: list[list[int]] = []
         cached_computed: list[int] = []
         preempted = False
@@ -207,6 +235,11 @@ class Scheduler:
                 break
             rnums.append(request.rnum)
             counts.append(num_new)
+            if (
+                request.grammar is not None
+                and num_new == request.num_tokens - request.num_computed_tokens
+            ):
+                grammar_rnums.append(request.rnum)
             cached_new_blocks.append(new_blocks)
             cached_computed.append(request.num_computed_tokens)
             budget -= num_new
@@ -239,6 +272,8 @@ class Scheduler:
             )
             rnums.append(request.rnum)
             counts.append(num_new)
+            if request.grammar is not None and num_hit_tokens + num_new == request.num_tokens:
+                grammar_rnums.append(request.rnum)
             budget -= num_new
 
         batch = StepBatch(
@@ -250,6 +285,7 @@ class Scheduler:
             scheduled_rnums=np.array(rnums, np.uint64),
             num_scheduled_tokens=np.array(counts, np.int32),
             finished_rnums=np.array(self._finished_rnums, np.uint64),
+            grammar_rnums=np.array(grammar_rnums, np.uint64),
         )
         self._finished_rnums = []
         self._step += 1
@@ -297,6 +333,8 @@ class Scheduler:
                 kept.append(i)
             request.append_output_token(token_id)
             reason = request.check_stop(token_id, max_model_len)
+            if request.grammar is not None and not reason:
+                reason = _grammar_step(request.grammar, token_id)
             if reason:
                 request.finish(reason)
                 kv.free(request)
@@ -385,6 +423,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_schedulable_requests(self) -> bool:
+        """Whether a step has work: requests queued or running (not only compiling)."""
+        return bool(self.waiting or self.running)
+
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache; refused (False) while requests hold blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
@@ -401,3 +443,12 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
         )
+
+
+def _grammar_step(grammar: GrammarState, token_id: int) -> FinishReason:
+    """Advance a request's grammar by its new token: STOP once the grammar is complete
+    (whatever `ignore_eos` says: nothing but EOS could follow), ERROR if the token broke it."""
+    try:
+        return FinishReason.STOP if grammar.accept(token_id) else FinishReason.NONE
+    except GrammarViolationError:
+        return FinishReason.ERROR

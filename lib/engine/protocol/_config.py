@@ -27,6 +27,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     request_ring_bytes: int = 1 << 22
     output_ring_bytes: int = 1 << 24
     output_timeout: float = 60.0  # how long a step waits for the frontend to make room
+    # Structured outputs: where the model's tokenizer is (None: the model's own), and how
+    # long one grammar may take to compile before its request fails.
+    tokenizer: str | None = None
+    structured_outputs_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
@@ -34,6 +38,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.tensor_parallel_size < 1:
             raise EngineConfigError(
                 f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
+            )
+        if not self.structured_outputs_timeout > 0:
+            raise EngineConfigError(
+                f"structured_outputs_timeout must be > 0, got {self.structured_outputs_timeout}"
             )
         if self.executor == "uni" and self.tensor_parallel_size > 1:
             raise EngineConfigError("the uni executor runs one rank: use executor='multiproc'")

@@ -56,6 +56,7 @@ class AddHeader(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, f
     options: SamplingOptions
     max_tokens: int
     arrival_time: float
+    grammar: str = ""  # structured outputs: an llguidance grammar the frontend checked
 
 
 class UtilityCall(msgspec.Struct, array_like=True, gc=False, frozen=True):

@@ -1,0 +1,227 @@
+"""Tool calling on chat completions, in the Hermes format: prompt, grammar, and parsing.
+
+The model calls a tool by writing ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+(Hermes, Qwen2.5, and trillm's default for models whose template knows no tools, SmolLM2 among
+them). `tool_choice` decides the grammar:
+
+- ``"required"`` or a named function: the output must be one call (or several, with
+  `parallel_tool_calls`) of an offered function, its arguments valid under its `parameters`:
+  a grammar of ``<tool_call>`` blocks around a JSON schema that is a `oneOf` of the functions.
+- ``"auto"``: free text, with a call where the model chooses one; functions marked `strict`
+  get their arguments constrained by a lazy grammar that starts at ``<tool_call>``.
+- ``"none"``: no tools in the prompt, no parsing.
+
+Why the built-in default: SmolLM2's template renders no tools; describing them in the system
+turn and asking for Hermes calls is what its own fine-tune data used.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+
+DEFAULT_TOOL_PROMPT = (
+    "You can call functions. To call one, reply with a JSON object naming the function and "
+    "its arguments, inside <tool_call></tool_call> tags:\n"
+    '<tool_call>\n{{"name": <function-name>, "arguments": <arguments-object>}}\n</tool_call>\n'
+    "The functions, as JSON schemas:\n{tools}"
+)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model made: its id, the function's name and its arguments (JSON text)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def call_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON schema of one call of any of `functions` (OpenAI `function` objects)."""
+    options = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": f["name"]},
+                "arguments": f.get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for f in functions
+    ]
+    return options[0] if len(options) == 1 else {"oneOf": options}
+
+
+def required_grammar(functions: list[dict[str, Any]], *, parallel: bool) -> str:
+    """Lark (llguidance) for one or more calls of `functions`, nothing else."""
+    schema = json.dumps(call_schema(functions), separators=(",", ":"))
+    repeat = ' ("\\n" call)*' if parallel else ""
+    return f'start: call{repeat}\ncall: "{OPEN}\\n" %json {schema} "\\n{CLOSE}"\n'
+
+
+def auto_grammar(strict: list[dict[str, Any]]) -> str | None:
+    """Lark for free text where calls of `strict` functions have constrained arguments (lazy:
+    the grammar holds only from ``<tool_call>`` on); None when no function is strict."""
+    if not strict:
+        return None
+    from llguidance import StructTag
+
+    tags = [
+        StructTag(
+            trigger=OPEN,
+            begin=f'{OPEN}\n{{"name": {json.dumps(f["name"])}, "arguments": ',
+            grammar=f.get("parameters") or {"type": "object"},
+            end=f"}}\n{CLOSE}",
+        )
+        for f in strict
+    ]
+    return str(StructTag.to_grammar(tags, assume_special=False))
+
+
+def tool_system_prompt(functions: list[dict[str, Any]]) -> str:
+    """The system text that describes `functions` to a model whose template has no tools."""
+    listed = "\n".join(json.dumps({"type": "function", "function": f}) for f in functions)
+    return DEFAULT_TOOL_PROMPT.format(tools=listed)
+
+
+def render_tool_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages for a template without tool support: an assistant turn's `tool_calls` become
+    Hermes blocks in its content, a `tool` turn becomes a ``<tool_response>`` block."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            blocks = [
+                f"{OPEN}\n"
+                + json.dumps(
+                    {
+                        "name": c["function"]["name"],
+                        "arguments": _as_object(c["function"].get("arguments")),
+                    }
+                )
+                + f"\n{CLOSE}"
+                for c in m["tool_calls"]
+            ]
+            content = "\n".join(filter(None, [m.get("content") or "", *blocks]))
+            out.append({"role": "assistant", "content": content})
+        elif m["role"] == "tool":
+            out.append(
+                {"role": "tool", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+            )
+        else:
+            out.append(m)
+    return out
+
+
+def parse_tool_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
+    """Split a completion into its content and its calls of functions in `names`.
+
+    A block that is not JSON of that shape, or names another function, stays in the content
+    (what the model wrote is never lost).
+    """
+    calls: list[ToolCall] = []
+    kept: list[str] = []
+    last = 0
+    for match in _CALL.finditer(text):
+        call = _call(match[1], names)
+        if call is None:
+            continue
+        kept.append(text[last : match.start()])
+        last = match.end()
+        calls.append(call)
+    kept.append(text[last:])
+    return "".join(kept).strip() if calls else text, calls
+
+
+def _call(body: str, names: set[str]) -> ToolCall | None:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or value.get("name") not in names:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    return ToolCall(new_call_id(), value["name"], json.dumps(_as_object(arguments)))
+
+
+def _as_object(arguments: Any) -> Any:
+    """OpenAI sends arguments as JSON text; the template and our output want the object."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return {} if arguments is None else arguments
+
+
+class ToolCallStream:
+    """Streams a chat completion's text as content deltas and tool-call deltas.
+
+    Text that may be the start of ``<tool_call>`` is held back; a call is emitted once its
+    block closes, as two deltas: id, type and name first, then the arguments. Assembled, the
+    deltas equal the non-streamed `parse_tool_calls` of the same text.
+    """
+
+    def __init__(self, names: set[str]) -> None:
+        self._names = names
+        self._buffer = ""
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """New content to send and new tool-call deltas, for `text` just generated."""
+        self._buffer += text
+        content, deltas = [], []
+        while True:
+            start = self._buffer.find(OPEN)
+            if start < 0:
+                keep = _partial_suffix(self._buffer, OPEN)
+                content.append(self._buffer[: len(self._buffer) - keep])
+                self._buffer = self._buffer[len(self._buffer) - keep :]
+                break
+            end = self._buffer.find(CLOSE, start)
+            if end < 0:
+                content.append(self._buffer[:start])
+                self._buffer = self._buffer[start:]
+                break
+            block = self._buffer[start : end + len(CLOSE)]
+            call = _call(block[len(OPEN) : -len(CLOSE)].strip(), self._names)
+            if call is None:
+                content.append(self._buffer[: end + len(CLOSE)])
+            else:
+                content.append(self._buffer[:start])
+                deltas.extend(self._deltas(call))
+            self._buffer = self._buffer[end + len(CLOSE) :]
+        return "".join(content), deltas
+
+    def finish(self) -> str:
+        """What is left when the completion ends (an unclosed block is content)."""
+        rest, self._buffer = self._buffer, ""
+        return rest
+
+    def _deltas(self, call: ToolCall) -> list[dict[str, Any]]:
+        index = len(self.calls)
+        self.calls.append(call)
+        head = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        return [
+            {"index": index, **head},
+            {"index": index, "function": {"arguments": call.arguments}},
+        ]
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0

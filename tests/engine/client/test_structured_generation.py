@@ -1,0 +1,198 @@
+"""Structured outputs end to end through a real engine process (the tiny random model, whose
+free choice would be noise: only the mask can make its output valid)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import jsonschema
+import pytest
+import trio
+
+from trillm.engine import (
+    AsyncLLM,
+    EngineConfig,
+    LLMConfig,
+    RequestFailedError,
+    SamplingParams,
+    StructuredOutputError,
+    StructuredOutputs,
+    open_llm,
+)
+from trillm.gpu import WorkerConfig
+
+from ...gpu.conftest import save_tiny
+
+# Bounded in every direction, so a random model must finish it within max_tokens.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 6},
+            "minItems": 1,
+            "maxItems": 3,
+        },
+        "manager": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 8}]},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "role", "tags", "manager", "address"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("structured-tiny"), "llama")
+
+
+def config(
+    model: Path, *, kv_bytes: int = 1 << 25, timeout: float = 10.0, max_model_len: int = 512
+) -> LLMConfig:
+    worker = WorkerConfig(
+        str(model),
+        device="cpu",
+        dtype="float32",
+        block_size=16,
+        kv_cache_bytes=kv_bytes,
+        max_model_len=max_model_len,
+    )
+    return LLMConfig(EngineConfig(worker=worker, structured_outputs_timeout=timeout))
+
+
+@pytest.fixture
+async def llm(tiny_dir: Path) -> AsyncIterator[AsyncLLM]:
+    async with open_llm(config(tiny_dir)) as llm:
+        yield llm
+
+
+def params(constraint: StructuredOutputs, **kw: object) -> SamplingParams:
+    kw.setdefault("max_tokens", 400)
+    return SamplingParams(structured_outputs=constraint, **kw)  # type: ignore[arg-type]
+
+
+async def test_json_schema_outputs_validate_streamed_and_not(llm: AsyncLLM) -> None:
+    constraint = StructuredOutputs(json=PERSON)
+    for seed in range(3):
+        (whole,) = await llm.complete("A person:", params(constraint, seed=seed))
+        assert whole.finish_reason == "stop", whole.text
+        jsonschema.validate(json.loads(whole.text), PERSON)
+    text = ""
+    async with llm.generate("A person:", params(constraint, seed=0)) as stream:
+        async for output in stream:
+            text += output.text
+            finish = output.finish_reason
+    assert finish == "stop"
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+async def test_n_children_each_follow_the_grammar_with_their_own_seed(llm: AsyncLLM) -> None:
+    outputs = await llm.complete(
+        "People:", params(StructuredOutputs(json=PERSON), n=4, seed=11, logprobs=2)
+    )
+    assert len({o.text for o in outputs}) > 1
+    for output in outputs:
+        jsonschema.validate(json.loads(output.text), PERSON)
+        assert output.logprobs is not None and len(output.logprobs) == len(output.token_ids)
+
+
+async def test_regex_choice_grammar_and_json_object(llm: AsyncLLM) -> None:
+    (phone,) = await llm.complete("Call", params(StructuredOutputs(regex=r"\d{3}-\d{4}")))
+    assert re.fullmatch(r"\d{3}-\d{4}", phone.text) and phone.finish_reason == "stop"
+    (pick,) = await llm.complete("Pick", params(StructuredOutputs(choice=["red", "green"])))
+    assert pick.text in ("red", "green")
+    lark = 'start: "x=" NUM ";"\nNUM: /[0-9]{1,3}/'
+    (assign,) = await llm.complete("Set", params(StructuredOutputs(grammar=lark)))
+    assert re.fullmatch(r"x=[0-9]{1,3};", assign.text)
+    (obj,) = await llm.complete(
+        "{", params(StructuredOutputs(json_object=True), max_tokens=30, temperature=0)
+    )
+    assert obj.text.startswith("{")  # may be cut by max_tokens: then "length", never prose
+    assert obj.finish_reason in ("stop", "length")
+
+
+async def test_max_tokens_cuts_a_grammar_with_length(llm: AsyncLLM) -> None:
+    (out,) = await llm.complete(
+        "Digits", params(StructuredOutputs(regex=r"[0-9]{50}"), max_tokens=5, ignore_eos=True)
+    )
+    assert out.finish_reason == "length" and re.fullmatch(r"[0-9]+", out.text)
+
+
+async def test_structured_and_free_requests_share_batches(llm: AsyncLLM) -> None:
+    free = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0)
+    results: dict[str, object] = {}
+
+    async def run(name: str, p: SamplingParams) -> None:
+        results[name] = (await llm.complete("Mixed", p))[0]
+
+    async with trio.open_nursery() as nursery:
+        for i in range(4):
+            nursery.start_soon(run, f"free{i}", free)
+            nursery.start_soon(run, f"json{i}", params(StructuredOutputs(json=PERSON), seed=i))
+    for i in range(4):
+        jsonschema.validate(json.loads(results[f"json{i}"].text), PERSON)  # type: ignore[attr-defined]
+        assert len(results[f"free{i}"].token_ids) == 20  # type: ignore[attr-defined]
+
+
+async def test_preemption_keeps_the_grammar_state(tiny_dir: Path) -> None:
+    """A KV cache of 8 blocks of 16 tokens for 6 requests of ~100 tokens: requests are
+    preempted and recomputed, and each output still validates."""
+    # 2 layers x 2 kv heads x 16 dim x 4 bytes x 2 (K, V) x 16 tokens = 8 KiB per block.
+    async with open_llm(config(tiny_dir, kv_bytes=8 * 8192, max_model_len=128)) as llm:
+        outputs: list[str] = []
+
+        async def one(seed: int) -> None:
+            constraint = StructuredOutputs(json=PERSON)
+            (out,) = await llm.complete("P", params(constraint, seed=seed, max_tokens=120))
+            outputs.append(out.text)
+
+        async with trio.open_nursery() as nursery:
+            for seed in range(6):
+                nursery.start_soon(one, seed)
+        stats = await llm.utility("stats")
+    assert isinstance(stats, dict) and stats["num_preemptions"] > 0
+    for text in outputs:
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+async def test_a_bad_schema_is_refused_before_the_engine_and_the_engine_goes_on(
+    llm: AsyncLLM,
+) -> None:
+    bad = StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "nope"}}})
+    with pytest.raises(StructuredOutputError, match=r"invalid structured_outputs\.json"):
+        await llm.complete("x", params(bad))
+    (ok,) = await llm.complete("x", params(StructuredOutputs(choice=["fine"])))
+    assert ok.text == "fine"
+
+
+async def test_an_engine_compile_past_its_timeout_fails_only_that_request(
+    tiny_dir: Path,
+) -> None:
+    """The engine's own deadline, the frontend's check passed (its checker is given a
+    generous one here): the request fails alone, naming the flag, and the engine goes on."""
+    from trillm.engine.client._structured import GrammarChecker, build_ll_tokenizer
+
+    async with open_llm(config(tiny_dir, timeout=1e-9)) as llm:
+        tokenizer, vocab = llm.tokenizer, llm.ready.vocab_size
+        llm._grammar_checker = GrammarChecker(
+            lambda: build_ll_tokenizer(tokenizer, vocab), timeout=60
+        )
+        with pytest.raises(RequestFailedError, match="--structured-outputs-timeout"):
+            await llm.complete("y", params(StructuredOutputs(regex="[a-z]{3}")))
+        (free,) = await llm.complete("z", SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(free.token_ids) == 3
+        assert not llm.errored

@@ -1,0 +1,144 @@
+"""Tool calling's pure parts: grammars that admit exactly the calls, parsing, streaming."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import pytest
+
+from trillm.gpu._default_model import default_model_dir
+from trillm.http._tools import (
+    ToolCallStream,
+    auto_grammar,
+    parse_tool_calls,
+    render_tool_messages,
+    required_grammar,
+    tool_system_prompt,
+)
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "unit": {"enum": ["celsius", "fahrenheit"]},
+        },
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    },
+}
+TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {}}}
+
+
+@pytest.fixture(scope="module")
+def ll_tokenizer() -> llguidance.LLTokenizer:
+    text = (default_model_dir(progress=False) / "tokenizer.json").read_text()
+    return llguidance.LLTokenizer(text, n_vocab=49152, eos_token=2)
+
+
+def accepts(grammar: str, text: str, tokenizer: llguidance.LLTokenizer) -> bool:
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    ok = matcher.consume_tokens(tokenizer.tokenize_str(text))
+    return bool(ok and matcher.is_accepting())
+
+
+def test_the_required_grammar_admits_calls_of_offered_functions_only(
+    ll_tokenizer: llguidance.LLTokenizer,
+) -> None:
+    grammar = required_grammar([WEATHER, TIME], parallel=False)
+    call = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+        "\n</tool_call>"
+    )
+    assert accepts(grammar, call, ll_tokenizer)
+    assert not accepts(grammar, call.replace("get_weather", "get_news"), ll_tokenizer)
+    assert not accepts(grammar, call.replace("celsius", "kelvin"), ll_tokenizer)
+    assert not accepts(grammar, "Sure! " + call, ll_tokenizer)
+    two = call + "\n" + '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    assert not accepts(grammar, two, ll_tokenizer)
+    assert accepts(required_grammar([WEATHER, TIME], parallel=True), two, ll_tokenizer)
+
+
+def test_the_auto_grammar_leaves_text_free_and_constrains_strict_calls(
+    ll_tokenizer: llguidance.LLTokenizer,
+) -> None:
+    grammar = auto_grammar([WEATHER])
+    assert grammar is not None
+    assert accepts(grammar, "Just text, no call.", ll_tokenizer)
+    good = (
+        'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
+        '"unit": "celsius"}}\n</tool_call>'
+    )
+    assert accepts(grammar, good, ll_tokenizer)
+    assert not accepts(grammar, good.replace('"celsius"', "42"), ll_tokenizer)
+    assert auto_grammar([]) is None
+
+
+def test_parsing_takes_the_calls_out_of_the_content() -> None:
+    text = 'Checking.\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    content, calls = parse_tool_calls(text, {"get_time"})
+    assert content == "Checking."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {})]
+    assert calls[0].id.startswith("call_")
+    unknown = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+    assert parse_tool_calls(unknown, {"get_time"}) == (unknown, [])
+    broken = "<tool_call>{not json</tool_call>"
+    assert parse_tool_calls(broken, {"get_time"}) == (broken, [])
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, 1000])
+def test_streamed_deltas_assemble_into_the_parsed_calls(piece: int) -> None:
+    text = (
+        'A <tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": '
+        '"celsius"}}\n</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+        " and <tool_ca"
+    )
+    stream = ToolCallStream({"get_weather", "get_time"})
+    content, calls = "", {}  # index -> assembled call
+    for i in range(0, len(text), piece):
+        new, deltas = stream.feed(text[i : i + piece])
+        content += new
+        for delta in deltas:
+            call = calls.setdefault(delta["index"], {"name": "", "arguments": ""})
+            if "id" in delta:
+                assert call["name"] == "" and delta["type"] == "function"
+                call["id"], call["name"] = delta["id"], delta["function"]["name"]
+            call["arguments"] += delta["function"]["arguments"]
+    content += stream.finish()
+    _, parsed = parse_tool_calls(text, {"get_weather", "get_time"})
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        (p.name, json.loads(p.arguments)) for p in parsed
+    ]
+    assert content == "A \n and <tool_ca"
+
+
+def test_templates_without_tools_get_them_described_and_rendered() -> None:
+    prompt = tool_system_prompt([WEATHER])
+    assert "<tool_call>" in prompt and '"name": "get_weather"' in prompt
+    messages = render_tool_messages(
+        [
+            {"role": "user", "content": "Weather?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ]
+    )
+    assert messages[1] == {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n'
+        "</tool_call>",
+    }
+    assert messages[2] == {"role": "tool", "content": "<tool_response>\nsunny\n</tool_response>"}
