@@ -85,6 +85,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds without the engine's heartbeat (a stopped or frozen engine) before it is "
         "declared dead and killed; 0 turns the watchdog off",
     )
+    serve.add_argument(
+        "--structured-outputs-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a grammar (JSON schema, regex, tools) may take to compile; past it only "
+        "that request fails (400)",
+    )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='allow tool_choice "auto": the model chooses between text and tool calls',
+    )
+    serve.add_argument(
+        "--tool-call-parser", default="hermes", choices=["hermes"], help="the tool-call format"
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=["deepseek_r1", "qwen3"],
+        help="split <think>...</think> off into message.reasoning",
+    )
+    serve.add_argument("--chat-template", help="a Jinja chat template file to use instead")
     # Test hook (hidden): "forward:RANK:STEP" raises InjectedFault in that rank's forward pass.
     serve.add_argument("--inject-fault", help=argparse.SUPPRESS)
     serve.add_argument(
@@ -183,6 +204,11 @@ def serve_main(args: argparse.Namespace) -> int:
         engine_death_grace=args.engine_death_grace,
         keep_alive_on_engine_death=args.keep_alive_on_engine_death,
         engine_watchdog_timeout=args.engine_watchdog_timeout,
+        structured_outputs_timeout=args.structured_outputs_timeout,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        chat_template=args.chat_template,
     )
     raise_open_files_limit()
     trio.run(run_server, config)

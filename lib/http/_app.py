@@ -19,7 +19,13 @@ import msgspec.structs
 import trio
 
 from .. import __version__
-from ..engine.client import AsyncLLM, EngineDeadError, PromptTooLongError
+from ..engine.client import (
+    AsyncLLM,
+    EngineDeadError,
+    PromptTooLongError,
+    RequestFailedError,
+    StructuredOutputError,
+)
 from ._errors import RequestError, error_body, not_found, overloaded, too_large, unauthorized
 from ._generate import Generation
 from ._metrics import Metrics
@@ -35,6 +41,7 @@ from ._schemas import (
     tokenize_response,
     version_response,
 )
+from ._tools import chat_messages
 
 
 class ClientDisconnected(Exception):
@@ -58,6 +65,9 @@ class ServeConfig:
     max_body_bytes: int = 4 << 20
     write_timeout: float = 30.0
     shutdown_timeout: float = 30.0
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (vLLM's flag of that name)
+    tool_call_parser: str = "hermes"  # the tool-call format (the only one: Hermes)
+    reasoning_parser: str | None = None  # "deepseek_r1", "qwen3": split off <think>
     stream_interval: int = 1  # tokens per streamed chunk, at least (the last may have fewer)
 
 
@@ -103,6 +113,12 @@ class App:
             await self._respond(
                 send, 400, error_body(RequestError(400, str(exc), param="max_tokens")), extra
             )
+        except StructuredOutputError as exc:
+            await self._respond(
+                send, 400, error_body(RequestError(400, str(exc), param=exc.field)), extra
+            )
+        except RequestFailedError as exc:  # the engine refused this request alone
+            await self._respond(send, 400, error_body(RequestError(400, str(exc))), extra)
         except Exception as exc:
             log.exception("internal error")
             body = error_body(RequestError(500, f"internal error: {exc}", "server_error"))
@@ -183,7 +199,10 @@ class App:
         request = decode_request(await self._read_body(scope, receive), TokenizeRequest)
         tokenizer = self.llm.tokenizer
         if request.messages is not None:  # a chat template carries its own special tokens
-            tokens = self.llm.apply_chat_template(chat_template_messages(request.messages))
+            messages, _ = chat_messages(
+                chat_template_messages(request.messages), [], self.llm.template_reads_tools
+            )
+            tokens = self.llm.apply_chat_template(messages)
         else:
             special = request.add_special_tokens is not False
             tokens = tokenizer(request.prompt, add_special_tokens=special)["input_ids"]

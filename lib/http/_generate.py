@@ -11,14 +11,25 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import trio
 
-from ..engine.client import AsyncLLM, EngineDeadError, Output, SamplingParams
+from ..engine.client import (
+    AsyncLLM,
+    EngineDeadError,
+    Output,
+    RequestFailedError,
+    SamplingParams,
+    StructuredOutputError,
+)
 from . import _schemas as S
+from ._chat_output import ChatOutputParser
+from ._constraints import function_dicts, tool_choice_mode
 from ._errors import RequestError, error_body
 from ._metrics import Metrics
+from ._tools import chat_messages
 
 log = logging.getLogger("trillm.http")
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -53,6 +64,7 @@ class Generation:
     ) -> None:
         params = S.to_sampling_params(request)
         prompts = self._validated(request.prompts, params)
+        await self._check_structured(params)
         if request.stream:
             await self._stream(prompts, params, request, "completion", receive, send, extra)
         else:
@@ -61,13 +73,38 @@ class Generation:
     async def chat(
         self, request: S.ChatCompletionRequest, receive: Receive, send: Send, extra: list[Any]
     ) -> None:
+        mode = tool_choice_mode(request.tools, request.tool_choice)
+        if mode == "auto" and not self.config.enable_auto_tool_choice:
+            raise RequestError(
+                400,
+                '"auto" tool choice requires --enable-auto-tool-choice (and --tool-call-parser) '
+                "to be set; or send tool_choice 'required', 'none' or a named function",
+                param="tool_choice",
+            )
         params = S.to_sampling_params(request)
-        prompt: list[int] = self.llm.apply_chat_template(S.chat_template_messages(request.messages))
+        functions = function_dicts(request.tools or []) if mode != "none" else []
+        messages, tools = chat_messages(
+            S.chat_template_messages(request.messages), functions, self.llm.template_reads_tools
+        )
+        prompt: list[int] = self.llm.apply_chat_template(messages, tools)
         self._validated([prompt], params)
+        await self._check_structured(params)
+        names = {f["name"] for f in functions} or None
+        reasoning = self.config.reasoning_parser
+        parser = None
+        if names or reasoning:
+            parser = partial(ChatOutputParser, reasoning_parser=reasoning, tool_names=names)
         if request.stream:
-            await self._stream([prompt], params, request, "chat", receive, send, extra)
+            await self._stream([prompt], params, request, "chat", receive, send, extra, parser)
         else:
-            await self._whole([prompt], params, request, "chat", receive, send, extra)
+            await self._whole([prompt], params, request, "chat", receive, send, extra, parser)
+
+    async def _check_structured(self, params: SamplingParams) -> None:
+        """Check the output constraint now: a bad one is a 400, before any stream starts."""
+        try:
+            await self.llm.check_structured(params)
+        except StructuredOutputError as exc:
+            raise RequestError(400, str(exc), param=exc.field) from exc
 
     # -- non-streaming -------------------------------------------------------------------
 
@@ -80,6 +117,7 @@ class Generation:
         receive: Receive,
         send: Send,
         extra: list[Any],
+        parser: Callable[[], ChatOutputParser] | None = None,
     ) -> None:
         results: list[list[Output]] = [[] for _ in prompts]
         started = time.monotonic()
@@ -109,6 +147,7 @@ class Generation:
                 outputs,
                 n=params.n,
                 token_text=self._token_text,
+                parser=parser,
             )
         with trio.move_on_after(self._last_write_timeout()):
             await send({"type": "http.response.start", "status": 200, "headers": JSON + extra})
@@ -149,6 +188,7 @@ class Generation:
         receive: Receive,
         send: Send,
         extra: list[Any],
+        parser: Callable[[], ChatOutputParser] | None = None,
     ) -> None:
         model = self.config.served_model_name
         chunker = S.StreamChunker(
@@ -160,6 +200,7 @@ class Generation:
             token_text=self._token_text,
             include_usage=request.include_usage,
             echo=self._echo(prompts, request) if kind == "completion" else None,
+            parser=parser,
         )
         lock = trio.Lock()
         started = time.monotonic()
@@ -189,6 +230,8 @@ class Generation:
                 return  # the client went away
         except EngineDeadError as exc:
             error = RequestError(500, str(exc), "server_error")
+        except RequestFailedError as exc:  # the engine refused this one request
+            error = RequestError(400, str(exc))
         except Exception as exc:
             log.exception("internal error in a stream")
             error = RequestError(500, f"internal error: {exc}", "server_error")

@@ -15,7 +15,8 @@ from typing import Annotated, Any, TypeVar, cast
 
 import msgspec
 
-from ..engine.client import SamplingParams, SamplingParamsError
+from ..engine.client import SamplingParams, SamplingParamsError, StructuredOutputs
+from ._constraints import ResponseFormat, Tool, ToolChoice, constraint
 from ._errors import RequestError
 
 S = TypeVar("S", bound=msgspec.Struct)
@@ -42,10 +43,23 @@ class ContentPart(msgspec.Struct, frozen=True):
             raise RequestError(400, "a content part of type 'text' needs 'text'", param="messages")
 
 
+class ToolCallFunction(msgspec.Struct, frozen=True):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends JSON text
+
+
+class MessageToolCall(msgspec.Struct, frozen=True):
+    function: ToolCallFunction
+    id: str | None = None
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct, frozen=True):
     role: str
     content: str | list[ContentPart] | None = None  # null: an assistant turn of tool calls
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     @property
     def text(self) -> str:
@@ -59,8 +73,14 @@ def chat_template_messages(messages: Iterable[ChatMessage]) -> list[dict[str, An
     """`messages` as the dicts a Hugging Face chat template reads."""
     out: list[dict[str, Any]] = []
     for m in messages:
-        entry = {"role": m.role, "content": m.text}
-        out.append(entry if m.name is None else {**entry, "name": m.name})
+        entry: dict[str, Any] = {"role": m.role, "content": m.text}
+        if m.name is not None:
+            entry["name"] = m.name
+        if m.tool_calls:
+            entry["tool_calls"] = [msgspec.to_builtins(c) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            entry["tool_call_id"] = m.tool_call_id
+        out.append(entry)
     return out
 
 
@@ -87,6 +107,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
+    response_format: ResponseFormat | None = None  # OpenAI's
 
     def __post_init__(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -144,6 +166,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = True
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -238,6 +263,13 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> Sa
         logprobs = request.logprobs
         prompt_logprobs = logprobs if request.echo else None
     d = _DEFAULTS
+    structured = constraint(
+        structured_outputs=request.structured_outputs,
+        response_format=request.response_format,
+        tools=getattr(request, "tools", None),
+        tool_choice=getattr(request, "tool_choice", None),
+        parallel_tool_calls=_or(getattr(request, "parallel_tool_calls", None), True),
+    )
     try:
         return SamplingParams(
             n=_or(request.n, d.n),
@@ -261,6 +293,7 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> Sa
             include_stop_str_in_output=_or(
                 request.include_stop_str_in_output, d.include_stop_str_in_output
             ),
+            structured_outputs=structured,
         )
     except SamplingParamsError as err:
         param, message = renames.get(err.field, err.field), str(err)

@@ -9,10 +9,12 @@ import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import msgspec
 
 from ..engine.client import Output, TokenLogprob
+from ._chat_output import ChatOutputParser, ChatParts
 
 TokenText = Callable[[int], str]  # a token id's text, for logprobs (the tokenizer's)
 
@@ -125,9 +127,23 @@ class ChatLogprobs(msgspec.Struct):
     content: list[ChatTokenLogprob]
 
 
+class ToolCallFunctionOut(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    function: ToolCallFunctionOut
+    type: str = "function"
+
+
 class ChatResponseMessage(msgspec.Struct):
-    content: str
+    content: str | None
     role: str = "assistant"
+    tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET
+    reasoning: str | msgspec.UnsetType = msgspec.UNSET
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET  # the older name of `reasoning`
 
 
 class ChatChoice(msgspec.Struct):
@@ -141,6 +157,9 @@ class ChatChoice(msgspec.Struct):
 class ChatDelta(msgspec.Struct):
     role: str | msgspec.UnsetType = msgspec.UNSET
     content: str | msgspec.UnsetType = msgspec.UNSET
+    tool_calls: list[dict[str, Any]] | msgspec.UnsetType = msgspec.UNSET
+    reasoning: str | msgspec.UnsetType = msgspec.UNSET
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChunkChoice(msgspec.Struct):
@@ -228,19 +247,25 @@ def completion_usage_chunk(meta: ResponseMeta, usage: Usage) -> bytes:
 
 
 def chat_completion_response(
-    meta: ResponseMeta, outputs: Sequence[Output], *, n: int, token_text: TokenText
+    meta: ResponseMeta,
+    outputs: Sequence[Output],
+    *,
+    n: int,
+    token_text: TokenText,
+    parser: Callable[[], ChatOutputParser] | None = None,
 ) -> bytes:
-    """A `chat.completion`: one assistant message per output (index `output.index`)."""
-    choices = [
-        ChatChoice(
-            o.index,
-            ChatResponseMessage(o.text),
-            _chat_logprobs(o.logprobs, token_text),
-            o.finish_reason,
-            o.stop_reason,
+    """A `chat.completion`: one assistant message per output (index `output.index`);
+    `parser` makes each choice's reasoning / tool-call parser, when the request needs one."""
+    choices = []
+    for o in outputs:
+        message, finish = ChatResponseMessage(o.text), o.finish_reason
+        if parser is not None:
+            message, finish = _parsed_message(parser(), o)
+        choices.append(
+            ChatChoice(
+                o.index, message, _chat_logprobs(o.logprobs, token_text), finish, o.stop_reason
+            )
         )
-        for o in outputs
-    ]
     body = ChatCompletion(meta.id, meta.created, meta.model, choices, usage_of(outputs, n=n))
     return _encoder.encode(body)
 
@@ -252,6 +277,8 @@ def chat_completion_chunk(
     token_text: TokenText,
     first: bool = False,
     include_usage: bool = False,
+    parts: ChatParts | None = None,
+    finish_reason: str | None = None,
 ) -> bytes:
     """One `chat.completion.chunk` with the new text of one choice.
 
@@ -261,15 +288,21 @@ def chat_completion_chunk(
             Later deltas without text are `{}`.
         include_usage: the stream ends with a usage chunk, so this one says `"usage": null`.
     """
+    content = output.text if parts is None else parts.content
     delta = ChatDelta(
         role="assistant" if first else msgspec.UNSET,
-        content=output.text if output.text or first else msgspec.UNSET,
+        content=content if content or first else msgspec.UNSET,
     )
+    if parts is not None:
+        if parts.tool_calls:
+            delta.tool_calls = parts.tool_calls
+        if parts.reasoning:
+            delta.reasoning = delta.reasoning_content = parts.reasoning
     choice = ChatChunkChoice(
         output.index,
         delta,
         _chat_logprobs(output.logprobs, token_text),
-        output.finish_reason,
+        finish_reason or output.finish_reason,
         output.stop_reason,
     )
     usage_field: Usage | msgspec.UnsetType | None = None if include_usage else msgspec.UNSET
@@ -394,3 +427,23 @@ def detokenize_response(prompt: str) -> bytes:
 
 def version_response(version: str, kernels: dict[str, str] | None = None) -> bytes:
     return _encoder.encode(VersionResponse(version, kernels))
+
+
+def _parsed_message(
+    parser: ChatOutputParser, output: Output
+) -> tuple[ChatResponseMessage, str | None]:
+    parts = parser.feed(output.text)
+    parts.add(parser.finish())
+    calls = [ToolCallOut(c.id, ToolCallFunctionOut(c.name, c.arguments)) for c in parser.tool_calls]
+    message = ChatResponseMessage(parts.content.strip() if calls else parts.content)
+    if calls:
+        message.tool_calls = calls
+        message.content = message.content or None
+    if parts.reasoning:
+        message.reasoning = message.reasoning_content = parts.reasoning
+    return message, tool_calls_finish(output.finish_reason, bool(calls))
+
+
+def tool_calls_finish(finish_reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish reason: "tool_calls" when a finished choice called a tool."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason

@@ -25,9 +25,11 @@ from hypercorn.config import Config as HypercornConfig
 from ..engine.client import EngineConfig, EngineDeadError, LLMConfig, open_llm
 from ..gpu import WorkerConfig
 from ._app import App, ServeConfig
+from ._chat_output import REASONING_PARSERS
 from ._connections import Connections
 from ._generate import DRAINING_LAST_WRITE_S
 from ._metrics import Metrics
+from ._tools import TOOL_CALL_PARSERS
 
 log = logging.getLogger("trillm.http")
 LISTEN_BACKLOG = 4096
@@ -149,6 +151,11 @@ def build_config(
     engine_death_grace: float = 5.0,
     keep_alive_on_engine_death: bool = False,
     engine_watchdog_timeout: float = 30.0,
+    structured_outputs_timeout: float = 10.0,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str = "hermes",
+    reasoning_parser: str | None = None,
+    chat_template: str | None = None,
 ) -> ServerConfig:
     if engine_death_grace < 0:
         raise ValueError(f"--engine-death-grace must be >= 0 seconds, got {engine_death_grace}")
@@ -158,7 +165,16 @@ def build_config(
         enable_prefix_caching=enable_prefix_caching,
         executor=executor,
         null_step_time=null_step_time,
+        structured_outputs_timeout=structured_outputs_timeout,
     )
+    if tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(
+            f"--tool-call-parser {tool_call_parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}"
+        )
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(
+            f"--reasoning-parser {reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}"
+        )
     return ServerConfig(
         host,
         port,
@@ -169,9 +185,15 @@ def build_config(
             shutdown_timeout=shutdown_timeout,
             write_timeout=write_timeout,
             stream_interval=max(1, stream_interval),
+            enable_auto_tool_choice=enable_auto_tool_choice,
+            tool_call_parser=tool_call_parser,
+            reasoning_parser=reasoning_parser,
         ),
         LLMConfig(
-            engine, shutdown_timeout=shutdown_timeout, watchdog_timeout=engine_watchdog_timeout
+            engine,
+            shutdown_timeout=shutdown_timeout,
+            watchdog_timeout=engine_watchdog_timeout,
+            chat_template=chat_template,
         ),
         engine_death_grace=engine_death_grace,
         keep_alive_on_engine_death=keep_alive_on_engine_death,

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..engine.client import Output, TokenLogprob
+from ._chat_output import ChatOutputParser
 from ._responses import (
     EchoPrompt,
     ResponseMeta,
@@ -15,6 +16,7 @@ from ._responses import (
     chat_usage_chunk,
     completion_chunk,
     completion_usage_chunk,
+    tool_calls_finish,
     usage_of,
 )
 
@@ -38,8 +40,11 @@ class StreamChunker:
         token_text: TokenText,
         include_usage: bool = False,
         echo: Sequence[EchoPrompt] | None = None,
+        parser: Callable[[], ChatOutputParser] | None = None,
     ) -> None:
         self.meta, self.chat, self.n = meta, chat, n
+        self._parser = parser  # chat: reasoning / tool calls, one parser per choice
+        self._parsers: dict[int, ChatOutputParser] = {}
         self.token_text = token_text
         self.include_usage = include_usage
         self.echo = echo
@@ -63,8 +68,24 @@ class StreamChunker:
         self._offsets[index] = offset + len(output.text)
         usage, text_of = self.include_usage, self.token_text
         if self.chat:
+            parts, finish = None, None
+            if self._parser is not None:
+                parser = self._parsers.get(index) or self._parsers.setdefault(index, self._parser())
+                parts = parser.feed(output.text)
+                if output.finished:
+                    parts.add(parser.finish())
+                    finish = tool_calls_finish(output.finish_reason, bool(parser.tool_calls))
+                elif not (parts.content or parts.reasoning or parts.tool_calls or output.logprobs):
+                    if not started:  # the role chunk still comes first, with the first text
+                        del self._offsets[index]
+                    return []  # all held back (a tag may be starting)
             chunk = chat_completion_chunk(
-                self.meta, output, token_text=text_of, include_usage=usage
+                self.meta,
+                output,
+                token_text=text_of,
+                include_usage=usage,
+                parts=parts,
+                finish_reason=finish,
             )
             if started:
                 return [chunk]

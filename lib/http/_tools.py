@@ -23,6 +23,9 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from ..engine.client import JSON_OPTIONS
+
+TOOL_CALL_PARSERS = ("hermes",)
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
 
@@ -64,9 +67,15 @@ def call_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
     return options[0] if len(options) == 1 else {"oneOf": options}
 
 
+def compact(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` with llguidance's JSON options for compact output (`JSON_OPTIONS`): inside a
+    Lark grammar's ``%json`` they travel in the schema's ``x-guidance`` key."""
+    return {**schema, "x-guidance": JSON_OPTIONS}
+
+
 def required_grammar(functions: list[dict[str, Any]], *, parallel: bool) -> str:
     """Lark (llguidance) for one or more calls of `functions`, nothing else."""
-    schema = json.dumps(call_schema(functions), separators=(",", ":"))
+    schema = json.dumps(compact(call_schema(functions)), separators=(",", ":"))
     repeat = ' ("\\n" call)*' if parallel else ""
     return f'start: call{repeat}\ncall: "{OPEN}\\n" %json {schema} "\\n{CLOSE}"\n'
 
@@ -82,7 +91,7 @@ def auto_grammar(strict: list[dict[str, Any]]) -> str | None:
         StructTag(
             trigger=OPEN,
             begin=f'{OPEN}\n{{"name": {json.dumps(f["name"])}, "arguments": ',
-            grammar=f.get("parameters") or {"type": "object"},
+            grammar=compact(f.get("parameters") or {"type": "object"}),
             end=f"}}\n{CLOSE}",
         )
         for f in strict
@@ -122,6 +131,43 @@ def render_tool_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
         else:
             out.append(m)
     return out
+
+
+def chat_messages(
+    messages: list[dict[str, Any]], functions: list[dict[str, Any]], template_reads_tools: bool
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The messages and `tools` argument for the chat template.
+
+    A template that reads tools gets them, and calls' arguments as objects (what Hermes-style
+    templates print); one that does not gets the tools described in the system turn and the
+    tool turns rendered as Hermes text (`render_tool_messages`).
+    """
+    if template_reads_tools:
+        out = []
+        for m in messages:
+            if m.get("tool_calls"):
+                calls = [
+                    {
+                        **c,
+                        "function": {
+                            **c["function"],
+                            "arguments": _as_object(c["function"].get("arguments")),
+                        },
+                    }
+                    for c in m["tool_calls"]
+                ]
+                m = {**m, "tool_calls": calls}
+            out.append(m)
+        tools = [{"type": "function", "function": f} for f in functions] or None
+        return out, tools
+    rendered = render_tool_messages(messages)
+    if functions:
+        prompt = tool_system_prompt(functions)
+        if rendered and rendered[0]["role"] == "system":
+            rendered[0] = {**rendered[0], "content": rendered[0]["content"] + "\n\n" + prompt}
+        else:
+            rendered.insert(0, {"role": "system", "content": prompt})
+    return rendered, None
 
 
 def parse_tool_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:

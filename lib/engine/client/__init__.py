@@ -20,6 +20,7 @@ from ._outputs import TokenLogprob as TokenLogprob
 from ._sampling_params import SamplingParams as SamplingParams
 from ._sampling_params import SamplingParamsError as SamplingParamsError
 from ._streams import RequestStream as RequestStream
+from ._structured import JSON_OPTIONS as JSON_OPTIONS
 from ._structured import MAX_GRAMMAR_BYTES as MAX_GRAMMAR_BYTES
 from ._structured import StructuredOutputError as StructuredOutputError
 from ._structured import StructuredOutputs as StructuredOutputs

@@ -43,6 +43,7 @@ class AsyncLLM:
         self.config = config
         self.tokenizer: Any = None
         self._grammar_checker: GrammarChecker | None = None
+        self._chat_template: str | None = None  # LLMConfig.chat_template's text
         self._backend: Any = None
         self._rnums = itertools.count(1)
         self._processor = OutputProcessor()
@@ -130,13 +131,26 @@ class AsyncLLM:
                     merged[output.index] = output
         return [merged[i] for i in sorted(merged)]
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The model's chat template over `messages`, ready for a reply, as token ids."""
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The chat template (`LLMConfig.chat_template`, else the model's) over `messages`,
+        ready for a reply, as token ids; `tools` go to a template that reads them."""
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
+            messages,
+            tools=tools,
+            chat_template=self._chat_template,
+            tokenize=False,
+            add_generation_prompt=True,
         )
         ids: list[int] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return ids
+
+    @property
+    def template_reads_tools(self) -> bool:
+        """Whether the chat template renders `tools` (else callers describe them)."""
+        template = self._chat_template or self.tokenizer.chat_template or ""
+        return "tools" in template
 
     @asynccontextmanager
     async def chat(
@@ -276,6 +290,9 @@ class AsyncLLM:
         tokenizer_error: BaseException | None = None
         try:  # while the engine loads its weights
             self.tokenizer = await trio.to_thread.run_sync(load_tokenizer, self._tokenizer_path())
+            if self.config.chat_template is not None:
+                with open(self.config.chat_template) as f:
+                    self._chat_template = f.read()
             self._backend = self.tokenizer.backend_tokenizer
         except Exception as exc:  # the engine's own error, if any, says more: report it first
             tokenizer_error = exc

@@ -15,6 +15,7 @@ class LLMConfig:
 
     engine: EngineConfig
     tokenizer: str | None = None  # default: the model directory
+    chat_template: str | None = None  # a Jinja file to use instead of the tokenizer's
     start_timeout: float = 600.0
     shutdown_timeout: float = 30.0
     # Seconds without the engine's heartbeat before it is declared dead and killed (0: never).

@@ -1,0 +1,98 @@
+"""A chat choice's text split into reasoning, content and tool calls, whole or as it streams.
+
+Reasoning parsers (`--reasoning-parser`), as vLLM names them:
+- ``deepseek_r1``: the reply starts inside the reasoning (the template opened ``<think>``);
+  everything up to ``</think>`` is reasoning (a leading ``<think>`` is dropped too).
+- ``qwen3``: reasoning only inside an explicit ``<think>...</think>`` at the start.
+Text that may be the start of a tag is held back while streaming, so no tag leaks into a
+delta. The content then goes through the tool-call parser when the request has tools.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._tools import ToolCall, ToolCallStream, _partial_suffix
+
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+THINK, END_THINK = "<think>", "</think>"
+
+
+@dataclass
+class ChatParts:
+    """New text of each kind, and new tool-call deltas."""
+
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, other: ChatParts) -> None:
+        self.content += other.content
+        self.reasoning += other.reasoning
+        self.tool_calls += other.tool_calls
+
+
+class ChatOutputParser:
+    """One choice's parser. `feed` the text as it comes; `finish` once it ended."""
+
+    def __init__(self, *, reasoning_parser: str | None, tool_names: set[str] | None) -> None:
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"unknown reasoning parser {reasoning_parser!r}: use one of "
+                f"{', '.join(REASONING_PARSERS)}"
+            )
+        self._mode = reasoning_parser
+        # "start": nothing seen yet; "reasoning": inside; "content": past the reasoning
+        self._state = "start" if reasoning_parser else "content"
+        self._held = ""
+        self._tools = ToolCallStream(tool_names) if tool_names else None
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return [] if self._tools is None else self._tools.calls
+
+    def feed(self, text: str) -> ChatParts:
+        parts = ChatParts()
+        self._held += text
+        while self._held:
+            if self._state == "start":
+                if THINK.startswith(self._held) and len(self._held) < len(THINK):
+                    return parts  # maybe the opening tag
+                if self._held.startswith(THINK):
+                    self._held = self._held[len(THINK) :]
+                    self._state = "reasoning"
+                else:
+                    self._state = "reasoning" if self._mode == "deepseek_r1" else "content"
+            elif self._state == "reasoning":
+                end = self._held.find(END_THINK)
+                if end < 0:
+                    keep = _partial_suffix(self._held, END_THINK)
+                    parts.reasoning += self._held[: len(self._held) - keep]
+                    self._held = self._held[len(self._held) - keep :]
+                    return parts
+                parts.reasoning += self._held[:end]
+                self._held = self._held[end + len(END_THINK) :].lstrip("\n")
+                self._state = "content"
+            else:
+                parts.add(self._content(self._held))
+                self._held = ""
+        return parts
+
+    def finish(self) -> ChatParts:
+        """The rest: held-back text, an unclosed tag's text, as what it was inside."""
+        parts = ChatParts()
+        held, self._held = self._held, ""
+        if self._state == "reasoning":
+            parts.reasoning += held
+        elif held:
+            parts.add(self._content(held))
+        if self._tools is not None:
+            parts.content += self._tools.finish()
+        return parts
+
+    def _content(self, text: str) -> ChatParts:
+        if self._tools is None:
+            return ChatParts(content=text)
+        content, deltas = self._tools.feed(text)
+        return ChatParts(content=content, tool_calls=deltas)
