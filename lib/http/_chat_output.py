@@ -5,7 +5,8 @@ Reasoning parsers (`--reasoning-parser`), as vLLM names them:
   everything up to ``</think>`` is reasoning (a leading ``<think>`` is dropped too).
 - ``qwen3``: reasoning only inside an explicit ``<think>...</think>`` at the start.
 Text that may be the start of a tag is held back while streaming, so no tag leaks into a
-delta. The content then goes through the tool-call parser when the request has tools.
+delta. The content then goes through the tool-call parser when the request has tools. An
+output constraint applies after the reasoning (the engine's mask: `after_reasoning`).
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.client import REASONING_PARSERS
 from ._tools import ToolCall, ToolCallStream, _partial_suffix
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
 THINK, END_THINK = "<think>", "</think>"
 
 
@@ -46,6 +47,7 @@ class ChatOutputParser:
         # "start": nothing seen yet; "reasoning": inside; "content": past the reasoning
         self._state = "start" if reasoning_parser else "content"
         self._held = ""
+        self._strip = False  # drop the newlines between </think> and the content
         self._tools = ToolCallStream(tool_names) if tool_names else None
 
     @property
@@ -72,9 +74,12 @@ class ChatOutputParser:
                     self._held = self._held[len(self._held) - keep :]
                     return parts
                 parts.reasoning += self._held[:end]
-                self._held = self._held[end + len(END_THINK) :].lstrip("\n")
-                self._state = "content"
+                self._held = self._held[end + len(END_THINK) :]
+                self._state, self._strip = "content", True
             else:
+                if self._strip:
+                    self._held = self._held.lstrip("\n")
+                    self._strip = not self._held
                 parts.add(self._content(self._held))
                 self._held = ""
         return parts

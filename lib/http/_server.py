@@ -22,10 +22,9 @@ import msgspec.structs
 import trio
 from hypercorn.config import Config as HypercornConfig
 
-from ..engine.client import EngineConfig, EngineDeadError, LLMConfig, open_llm
+from ..engine.client import REASONING_PARSERS, EngineConfig, EngineDeadError, LLMConfig, open_llm
 from ..gpu import WorkerConfig
 from ._app import App, ServeConfig
-from ._chat_output import REASONING_PARSERS
 from ._connections import Connections
 from ._generate import DRAINING_LAST_WRITE_S
 from ._metrics import Metrics
@@ -194,6 +193,7 @@ def build_config(
             shutdown_timeout=shutdown_timeout,
             watchdog_timeout=engine_watchdog_timeout,
             chat_template=chat_template,
+            reasoning_parser=reasoning_parser,
         ),
         engine_death_grace=engine_death_grace,
         keep_alive_on_engine_death=keep_alive_on_engine_death,

@@ -22,5 +22,6 @@ from ._sampling_params import SamplingParamsError as SamplingParamsError
 from ._streams import RequestStream as RequestStream
 from ._structured import JSON_OPTIONS as JSON_OPTIONS
 from ._structured import MAX_GRAMMAR_BYTES as MAX_GRAMMAR_BYTES
+from ._structured import REASONING_PARSERS as REASONING_PARSERS
 from ._structured import StructuredOutputError as StructuredOutputError
 from ._structured import StructuredOutputs as StructuredOutputs

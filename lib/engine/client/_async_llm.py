@@ -32,7 +32,7 @@ from ._output_processor import OutputProcessor, RequestState
 from ._outputs import Mailbox, Output
 from ._sampling_params import SamplingParams
 from ._streams import RequestStream, load_tokenizer, prompt_logprobs_output
-from ._structured import GrammarChecker, build_ll_tokenizer
+from ._structured import GrammarChecker, after_reasoning, build_ll_tokenizer
 from ._watchdog import not_responding_error, wait_heartbeat_stopped
 
 
@@ -227,7 +227,10 @@ class AsyncLLM:
                 lambda: build_ll_tokenizer(tokenizer, vocab),
                 timeout=self.config.engine.structured_outputs_timeout,
             )
-        return await self._grammar_checker.check(params.structured_outputs)
+        grammar = await self._grammar_checker.check(params.structured_outputs)
+        if self.config.reasoning_parser is not None:
+            grammar = after_reasoning(grammar, self.config.reasoning_parser)
+        return grammar
 
     async def _send_add(
         self, rnum: int, options: Any, max_tokens: int, ids: list[int], grammar: str = ""

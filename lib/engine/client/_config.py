@@ -16,6 +16,9 @@ class LLMConfig:
     engine: EngineConfig
     tokenizer: str | None = None  # default: the model directory
     chat_template: str | None = None  # a Jinja file to use instead of the tokenizer's
+    # "deepseek_r1" or "qwen3": the model reasons in <think>...</think> first, and output
+    # constraints apply only after it (`_structured.after_reasoning`).
+    reasoning_parser: str | None = None
     start_timeout: float = 600.0
     shutdown_timeout: float = 30.0
     # Seconds without the engine's heartbeat before it is declared dead and killed (0: never).

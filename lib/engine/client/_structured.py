@@ -183,6 +183,25 @@ class GrammarChecker:
         return grammar
 
 
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+# The reasoning before a grammar: Lark whose lazy `think` ends at the first </think>, then the
+# constrained part (grammar "inner"). deepseek_r1 starts inside the reasoning; qwen3 may open
+# an explicit <think> block, or skip it.
+_REASONING_LARK = {
+    "deepseek_r1": 'start: think SPACE? @inner\nthink[lazy]: TEXT "</think>"\n',
+    "qwen3": 'start: (think SPACE?)? @inner\nthink[lazy]: "<think>" TEXT "</think>"\n',
+}
+
+
+def after_reasoning(grammar: str, reasoning_parser: str) -> str:
+    """`grammar` (llguidance's JSON form) applied only once the reasoning has ended: the mask
+    allows any text until ``</think>``, then holds the output to `grammar`."""
+    inner = json.loads(grammar)["grammars"]
+    inner[0] = {**inner[0], "name": "inner"}
+    lark = _REASONING_LARK[reasoning_parser] + "TEXT: /(.|\\n)*/\nSPACE: /[ \\n]+/\n"
+    return json.dumps({"grammars": [{"name": "reasoning", "lark_grammar": lark}, *inner]})
+
+
 def build_ll_tokenizer(hf_tokenizer: Any, vocab_size: int) -> Any:
     """llguidance's tokenizer for a Hugging Face fast tokenizer (about a second: build once).
 
