@@ -16,15 +16,23 @@ def apply_grammar_bitmask(
     logits: torch.Tensor, rnums: np.ndarray, grammar_rnums: np.ndarray, bitmask: np.ndarray
 ) -> None:
     """Mask, in place, the rows of `logits` (one per entry of `rnums`) named in
-    `grammar_rnums`, with `bitmask`'s rows in the same order as `grammar_rnums`."""
-    row_of = {rnum: i for i, rnum in enumerate(rnums.tolist())}
-    rows = [row_of[rnum] for rnum in grammar_rnums.tolist()]
+    `grammar_rnums`, with `bitmask`'s rows in the same order as `grammar_rnums`.
+
+    The bits are unpacked inverted (a set bit: disallowed) straight into a bool mask, one
+    pass, and filled in place: measured at B=256 over SmolLM2's 49,152 ids, the gather, fill
+    and scatter of the masked rows cost 36 ms a step, this about 4 (perf/structured_bench.py).
+    """
     vocab = logits.shape[1]
-    bits = np.unpackbits(
-        np.ascontiguousarray(bitmask, "<i4").view(np.uint8), axis=1, bitorder="little"
-    )
-    if bits.shape[1] < vocab:  # ids past the grammar's vocabulary are never allowed
-        bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
-    allowed = torch.from_numpy(bits[:, :vocab]).to(logits.device, non_blocking=True).bool()
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    words = np.ascontiguousarray(bitmask, "<i4")
+    if words.shape[1] * 32 < vocab:  # ids past the grammar's vocabulary are never allowed
+        words = np.pad(words, ((0, 0), (0, -(-vocab // 32) - words.shape[1])))
+    disallowed = np.unpackbits((~words).view(np.uint8), axis=1, count=vocab, bitorder="little")
+    mask = torch.from_numpy(disallowed).view(torch.bool).to(logits.device, non_blocking=True)
+    if len(grammar_rnums) == len(rnums) and (grammar_rnums == rnums).all():
+        logits.masked_fill_(mask, float("-inf"))  # every row, in order: no gather
+        return
+    row_of = {rnum: i for i, rnum in enumerate(rnums.tolist())}
+    index = torch.tensor([row_of[r] for r in grammar_rnums.tolist()], device=logits.device)
+    rows = logits.index_select(0, index)
+    rows.masked_fill_(mask, float("-inf"))
+    logits.index_copy_(0, index, rows)

@@ -196,3 +196,23 @@ async def test_an_engine_compile_past_its_timeout_fails_only_that_request(
         (free,) = await llm.complete("z", SamplingParams(max_tokens=3, ignore_eos=True))
         assert len(free.token_ids) == 3
         assert not llm.errored
+
+
+@pytest.mark.slow
+async def test_tensor_parallel_2_follows_the_grammar_like_one_rank(tiny_dir: Path) -> None:
+    """At TP 2 the bitmask rides in the step's broadcast record to both ranks; greedy, the
+    tokens equal TP 1's."""
+    constraint = StructuredOutputs(json=PERSON)
+    greedy = params(constraint, temperature=0)
+    async with open_llm(config(tiny_dir)) as llm:
+        (one,) = await llm.complete("TP", greedy)
+    tp2 = config(tiny_dir)
+    tp2 = LLMConfig(
+        EngineConfig(worker=tp2.engine.worker, tensor_parallel_size=2), start_timeout=240
+    )
+    async with open_llm(tp2) as llm:
+        (two,) = await llm.complete("TP", greedy)
+        (seeded,) = await llm.complete("TP", params(constraint, seed=3))
+    jsonschema.validate(json.loads(two.text), PERSON)
+    jsonschema.validate(json.loads(seeded.text), PERSON)
+    assert two.token_ids == one.token_ids
