@@ -100,9 +100,19 @@ async def test_json_schema_outputs_validate_streamed_and_not(llm: AsyncLLM) -> N
     jsonschema.validate(json.loads(text), PERSON)
 
 
-async def test_n_children_each_follow_the_grammar_with_their_own_seed(llm: AsyncLLM) -> None:
+async def test_n_children_with_seeds_logprobs_and_penalties_follow_the_grammar(
+    llm: AsyncLLM,
+) -> None:
     outputs = await llm.complete(
-        "People:", params(StructuredOutputs(json=PERSON), n=4, seed=11, logprobs=2)
+        "People:",
+        params(
+            StructuredOutputs(json=PERSON),
+            n=4,
+            seed=11,
+            logprobs=2,
+            presence_penalty=1.0,
+            repetition_penalty=1.3,
+        ),
     )
     assert len({o.text for o in outputs}) > 1
     for output in outputs:
