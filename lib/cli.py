@@ -98,7 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
         help='allow tool_choice "auto": the model chooses between text and tool calls',
     )
     serve.add_argument(
-        "--tool-call-parser", default="hermes", choices=["hermes"], help="the tool-call format"
+        "--tool-call-parser",
+        default="hermes",
+        choices=["hermes", "llama3_json"],
+        help="the tool-call format: hermes (<tool_call>{...}</tool_call>) or llama3_json",
     )
     serve.add_argument(
         "--reasoning-parser",

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..engine.client import REASONING_PARSERS
 from ._tools import ToolCall, ToolCallStream, _partial_suffix
+from ._tools_llama3 import Llama3CallStream
 
 THINK, END_THINK = "<think>", "</think>"
 
@@ -37,7 +38,13 @@ class ChatParts:
 class ChatOutputParser:
     """One choice's parser. `feed` the text as it comes; `finish` once it ended."""
 
-    def __init__(self, *, reasoning_parser: str | None, tool_names: set[str] | None) -> None:
+    def __init__(
+        self,
+        *,
+        reasoning_parser: str | None,
+        tool_names: set[str] | None,
+        tool_format: str = "hermes",
+    ) -> None:
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
             raise ValueError(
                 f"unknown reasoning parser {reasoning_parser!r}: use one of "
@@ -48,7 +55,10 @@ class ChatOutputParser:
         self._state = "start" if reasoning_parser else "content"
         self._held = ""
         self._strip = False  # drop the newlines between </think> and the content
-        self._tools = ToolCallStream(tool_names) if tool_names else None
+        self._tools: ToolCallStream | Llama3CallStream | None = None
+        if tool_names:
+            stream = Llama3CallStream if tool_format == "llama3_json" else ToolCallStream
+            self._tools = stream(tool_names)
 
     @property
     def tool_calls(self) -> list[ToolCall]:
@@ -93,7 +103,8 @@ class ChatOutputParser:
         elif held:
             parts.add(self._content(held))
         if self._tools is not None:
-            parts.content += self._tools.finish()
+            content, deltas = self._tools.finish()
+            parts.add(ChatParts(content=content, tool_calls=deltas))
         return parts
 
     def _content(self, text: str) -> ChatParts:

@@ -20,6 +20,7 @@ import msgspec
 
 from ..engine.client import StructuredOutputs
 from . import _tools as T
+from . import _tools_llama3 as L3
 from ._errors import RequestError
 
 
@@ -132,6 +133,7 @@ def constraint(
     tools: list[Tool] | None = None,
     tool_choice: ToolChoice | None = None,
     parallel_tool_calls: bool = True,
+    tool_format: str = "hermes",
 ) -> StructuredOutputs | None:
     """The one constraint of a request's output, or None for free text.
 
@@ -147,6 +149,8 @@ def constraint(
         )
     mode = tool_choice_mode(tools, tool_choice)
     functions = function_dicts(tools or [])
+    llama3 = tool_format == "llama3_json"
+    required_grammar = L3.required_grammar if llama3 else T.required_grammar
     if mode in ("required", "named"):
         if structured_outputs is not None:
             raise RequestError(
@@ -157,16 +161,15 @@ def constraint(
         if mode == "named":
             assert isinstance(tool_choice, NamedToolChoice)  # tool_choice_mode checked it
             functions = [f for f in functions if f["name"] == tool_choice.function.name]
-        return StructuredOutputs(
-            grammar=T.required_grammar(functions, parallel=parallel_tool_calls)
-        )
+        return StructuredOutputs(grammar=required_grammar(functions, parallel=parallel_tool_calls))
     if mode == "auto" and schema is not None:
-        calls = T.required_grammar(functions, parallel=parallel_tool_calls)
+        calls = required_grammar(functions, parallel=parallel_tool_calls)
         content = json.dumps(T.compact(schema), separators=(",", ":"))
         grammar = calls.replace("start: call", "start: answer | call", 1)
         return StructuredOutputs(grammar=grammar + f"answer: %json {content}\n")
     if mode == "auto":
-        strict = [f for f in functions if f.get("strict")]
+        # Lazy constraints need a trigger: Hermes has <tool_call>, Llama 3's bare JSON none.
+        strict = [f for f in functions if f.get("strict")] if not llama3 else []
         lazy = T.auto_grammar(strict)
         if structured_outputs is not None:
             return structured_outputs

@@ -25,11 +25,12 @@ from ..engine.client import (
     StructuredOutputError,
 )
 from . import _schemas as S
+from . import _tools_llama3 as L3
 from ._chat_output import ChatOutputParser
 from ._constraints import function_dicts, tool_choice_mode
 from ._errors import RequestError, error_body
 from ._metrics import Metrics
-from ._tools import chat_messages
+from ._tools import DEFAULT_TOOL_PROMPT, chat_messages
 
 log = logging.getLogger("trillm.http")
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -81,10 +82,14 @@ class Generation:
                 "to be set; or send tool_choice 'required', 'none' or a named function",
                 param="tool_choice",
             )
-        params = S.to_sampling_params(request)
+        tool_format = self.config.tool_call_parser
+        params = S.to_sampling_params(request, tool_format=tool_format)
         functions = function_dicts(request.tools or []) if mode != "none" else []
         messages, tools = chat_messages(
-            S.chat_template_messages(request.messages), functions, self.llm.template_reads_tools
+            S.chat_template_messages(request.messages),
+            functions,
+            self.llm.template_reads_tools,
+            L3.TOOL_PROMPT if tool_format == "llama3_json" else DEFAULT_TOOL_PROMPT,
         )
         prompt: list[int] = self.llm.apply_chat_template(messages, tools)
         self._validated([prompt], params)
@@ -93,7 +98,12 @@ class Generation:
         reasoning = self.config.reasoning_parser
         parser = None
         if names or reasoning:
-            parser = partial(ChatOutputParser, reasoning_parser=reasoning, tool_names=names)
+            parser = partial(
+                ChatOutputParser,
+                reasoning_parser=reasoning,
+                tool_names=names,
+                tool_format=tool_format,
+            )
         if request.stream:
             await self._stream([prompt], params, request, "chat", receive, send, extra, parser)
         else:

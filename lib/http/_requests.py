@@ -232,7 +232,9 @@ def _validation_error(text: str) -> RequestError:
     return RequestError(400, f"invalid request body: {reason}")
 
 
-def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+def to_sampling_params(
+    request: CompletionRequest | ChatCompletionRequest, *, tool_format: str = "hermes"
+) -> SamplingParams:
     """The engine's validated parameters for `request`.
 
     Chat: `logprobs: true` asks for the sampled token's logprob plus `top_logprobs` (default
@@ -269,6 +271,7 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> Sa
         tools=getattr(request, "tools", None),
         tool_choice=getattr(request, "tool_choice", None),
         parallel_tool_calls=_or(getattr(request, "parallel_tool_calls", None), True),
+        tool_format=tool_format,
     )
     try:
         return SamplingParams(

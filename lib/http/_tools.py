@@ -25,7 +25,7 @@ from typing import Any
 
 from ..engine.client import JSON_OPTIONS
 
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # `_tools_llama3` has the second
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
 
@@ -99,10 +99,10 @@ def auto_grammar(strict: list[dict[str, Any]]) -> str | None:
     return str(StructTag.to_grammar(tags, assume_special=False))
 
 
-def tool_system_prompt(functions: list[dict[str, Any]]) -> str:
+def tool_system_prompt(functions: list[dict[str, Any]], prompt: str = DEFAULT_TOOL_PROMPT) -> str:
     """The system text that describes `functions` to a model whose template has no tools."""
     listed = "\n".join(json.dumps({"type": "function", "function": f}) for f in functions)
-    return DEFAULT_TOOL_PROMPT.format(tools=listed)
+    return prompt.format(tools=listed)
 
 
 def render_tool_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -134,7 +134,10 @@ def render_tool_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
 
 
 def chat_messages(
-    messages: list[dict[str, Any]], functions: list[dict[str, Any]], template_reads_tools: bool
+    messages: list[dict[str, Any]],
+    functions: list[dict[str, Any]],
+    template_reads_tools: bool,
+    prompt: str = DEFAULT_TOOL_PROMPT,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The messages and `tools` argument for the chat template.
 
@@ -162,11 +165,12 @@ def chat_messages(
         return out, tools
     rendered = render_tool_messages(messages)
     if functions:
-        prompt = tool_system_prompt(functions)
+        described = tool_system_prompt(functions, prompt)
         if rendered and rendered[0]["role"] == "system":
-            rendered[0] = {**rendered[0], "content": rendered[0]["content"] + "\n\n" + prompt}
+            content = rendered[0]["content"] + "\n\n" + described
+            rendered[0] = {**rendered[0], "content": content}
         else:
-            rendered.insert(0, {"role": "system", "content": prompt})
+            rendered.insert(0, {"role": "system", "content": described})
     return rendered, None
 
 
@@ -250,19 +254,22 @@ class ToolCallStream:
             self._buffer = self._buffer[end + len(CLOSE) :]
         return "".join(content), deltas
 
-    def finish(self) -> str:
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """What is left when the completion ends (an unclosed block is content)."""
         rest, self._buffer = self._buffer, ""
-        return rest
+        return rest, []
 
     def _deltas(self, call: ToolCall) -> list[dict[str, Any]]:
         index = len(self.calls)
         self.calls.append(call)
-        head = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-        return [
-            {"index": index, **head},
-            {"index": index, "function": {"arguments": call.arguments}},
-        ]
+        return call_deltas(index, call)
+
+
+def call_deltas(index: int, call: ToolCall) -> list[dict[str, Any]]:
+    """A streamed call: id, type and name first, then the arguments."""
+    function = {"name": call.name, "arguments": ""}
+    head = {"index": index, "id": call.id, "type": "function", "function": function}
+    return [head, {"index": index, "function": {"arguments": call.arguments}}]
 
 
 def _partial_suffix(text: str, marker: str) -> int:

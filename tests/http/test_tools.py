@@ -108,7 +108,9 @@ def test_streamed_deltas_assemble_into_the_parsed_calls(piece: int) -> None:
                 assert call["name"] == "" and delta["type"] == "function"
                 call["id"], call["name"] = delta["id"], delta["function"]["name"]
             call["arguments"] += delta["function"]["arguments"]
-    content += stream.finish()
+    rest, more = stream.finish()
+    content += rest
+    assert more == []
     _, parsed = parse_tool_calls(text, {"get_weather", "get_time"})
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
         (p.name, json.loads(p.arguments)) for p in parsed

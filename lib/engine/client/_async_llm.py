@@ -94,6 +94,10 @@ class AsyncLLM:
             EngineDeadError: the engine died (before or during the request).
             PromptTooLongError: prompt + max_tokens exceed the engine's max model length.
             SamplingParamsError: invalid parameters.
+            StructuredOutputError: `params.structured_outputs` is invalid, too large, or was
+                not checked in time (before anything is sent).
+            RequestFailedError: (from the stream) the engine failed this request alone,
+                e.g. its grammar did not compile within the deadline.
         """
         self._check_alive()
         params = params or SamplingParams()

@@ -60,7 +60,7 @@ class Grammars:
 
     Args:
         tokenizer: the model's llguidance tokenizer (`llguidance.LLTokenizer`), or a
-            callable that builds it (it is built in the pool, off the caller's thread).
+            callable that builds it (at once, in a thread of its own).
         timeout: seconds a compile may take before its request fails.
     """
 
@@ -73,9 +73,18 @@ class Grammars:
         # Compiles run in daemon threads, `threads` at a time: one past its deadline is
         # abandoned, and must not hold the process at exit as a pool's thread would.
         self._slots = threading.BoundedSemaphore(threads)
-        self._tokenizer_lock = threading.Lock()
-        self._build_tokenizer: Callable[[], Any] | None = tokenizer if callable(tokenizer) else None
+        self._ready_at = time.monotonic()
         self._ll_tokenizer: Any = None if callable(tokenizer) else tokenizer
+        # A callable is built at once, in a thread of its own (about a second), and the
+        # compile deadlines count from when it is ready: the first request must not pay it.
+        self._tokenizer_ready = threading.Event()
+        self._tokenizer_error: BaseException | None = None
+        if callable(tokenizer):
+            threading.Thread(
+                target=self._build, args=(tokenizer,), name="trillm-ll-tokenizer", daemon=True
+            ).start()
+        else:
+            self._tokenizer_ready.set()
         self._masker = concurrent.futures.ThreadPoolExecutor(1, "trillm-mask")
         self._ll_executor = llguidance.LLExecutor(threads)
         self._compiled: OrderedDict[str, Any] = OrderedDict()
@@ -100,7 +109,7 @@ class Grammars:
                 name="trillm-grammar",
                 daemon=True,
             ).start()
-        self._pending[rnum] = (future, grammar, time.monotonic() + self.timeout)
+        self._pending[rnum] = (future, grammar, time.monotonic())
 
     @property
     def num_pending(self) -> int:
@@ -116,7 +125,8 @@ class Grammars:
         ready: list[tuple[int, GrammarState]] = []
         failed: list[tuple[int, str]] = []
         now = time.monotonic()
-        for rnum, (future, grammar, deadline) in list(self._pending.items()):
+        ready_at = self._ready_at if self._tokenizer_ready.is_set() else None
+        for rnum, (future, grammar, submitted) in list(self._pending.items()):
             if future.done():
                 del self._pending[rnum]
                 try:
@@ -129,7 +139,7 @@ class Grammars:
                     continue
                 self._remember(grammar, template)
                 ready.append((rnum, GrammarState(template.deep_copy())))
-            elif now >= deadline:
+            elif ready_at is not None and now >= max(submitted, ready_at) + self.timeout:
                 del self._pending[rnum]
                 failed.append(
                     (
@@ -153,12 +163,23 @@ class Grammars:
             except BaseException as exc:  # the poller reports it, as the request's error
                 future.set_exception(exc)
 
+    def _build(self, build: Callable[[], Any]) -> None:
+        try:
+            self._ll_tokenizer = build()
+        except BaseException as exc:  # every compile reports it
+            self._tokenizer_error = exc
+        finally:
+            self._ready_at = time.monotonic()
+            self._tokenizer_ready.set()
+
     def _compile(self, grammar: str) -> Any:
         import llguidance
 
-        with self._tokenizer_lock:  # built once, by the first compile (about a second)
-            if self._ll_tokenizer is None and self._build_tokenizer is not None:
-                self._ll_tokenizer = self._build_tokenizer()
+        self._tokenizer_ready.wait()
+        if self._tokenizer_error is not None:
+            raise GrammarCompileError(
+                f"the model's tokenizer did not load for grammars: {self._tokenizer_error!r}"
+            )
         matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarCompileError(f"the grammar does not compile: {matcher.get_error()}")

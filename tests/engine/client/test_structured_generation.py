@@ -201,8 +201,13 @@ async def test_an_engine_compile_past_its_timeout_fails_only_that_request(
         llm._grammar_checker = GrammarChecker(
             lambda: build_ll_tokenizer(tokenizer, vocab), timeout=60
         )
+        # Tens of ms to compile: far past the deadline at the engine's first poll (2 ms).
+        wide = {f"p{i}": {"type": "object", "properties": {
+            f"q{j}": {"type": "integer", "minimum": j, "maximum": 1000 + j} for j in range(30)
+        }} for i in range(60)}  # fmt: skip
+        slow = StructuredOutputs(json={"type": "object", "properties": wide})
         with pytest.raises(RequestFailedError, match="--structured-outputs-timeout"):
-            await llm.complete("y", params(StructuredOutputs(regex="[a-z]{3}")))
+            await llm.complete("y", params(slow))
         (free,) = await llm.complete("z", SamplingParams(max_tokens=3, ignore_eos=True))
         assert len(free.token_ids) == 3
         assert not llm.errored
