@@ -88,6 +88,7 @@ class Grammars:
         self._masker = concurrent.futures.ThreadPoolExecutor(1, "trillm-mask")
         self._ll_executor = llguidance.LLExecutor(threads)
         self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._compiling: dict[str, concurrent.futures.Future[Any]] = {}  # grammar -> its compile
         self._pending: dict[int, tuple[concurrent.futures.Future[Any], str, float]] = {}
         self._bitmask = np.empty((0, self.words), np.int32)
 
@@ -96,13 +97,14 @@ class Grammars:
     def submit(self, rnum: int, grammar: str) -> None:
         """Start compiling `grammar` for request `rnum` (`poll` says when it is ready)."""
         template = self._compiled.get(grammar)
-        future: concurrent.futures.Future[Any]
+        future: concurrent.futures.Future[Any] | None = self._compiling.get(grammar)
         if template is not None:
             self._compiled.move_to_end(grammar)
             future = concurrent.futures.Future()
             future.set_result(template)
-        else:
-            future = concurrent.futures.Future()
+        elif future is None:  # not compiled, nor compiling for another request (n > 1)
+            future = self._compiling[grammar] = concurrent.futures.Future()
+            future.add_done_callback(lambda _: self._compiling.pop(grammar, None))
             threading.Thread(
                 target=self._compile_into,
                 args=(grammar, future),

@@ -127,3 +127,20 @@ def test_one_compile_serves_many_requests_each_with_its_own_state(grammars: Gram
 
 def test_no_states_no_masks(grammars: Grammars) -> None:
     assert grammars.start_masks([]) is None
+
+
+def test_requests_that_share_a_grammar_share_one_compile(grammars: Grammars) -> None:
+    grammar = llguidance.LLMatcher.grammar_from_regex("[a-c]{2,5}")
+    for rnum in range(4):  # as the children of an n=4 request arrive: before it compiled
+        grammars.submit(rnum, grammar)
+    futures = {id(future) for future, _, _ in grammars._pending.values()}
+    assert len(futures) == 1
+    states: dict[int, GrammarState] = {}
+    deadline = time.monotonic() + 30
+    while len(states) < 4:
+        ready, failed = grammars.poll()
+        assert not failed
+        states.update(ready)
+        assert time.monotonic() < deadline
+        grammars.wait(0.1)
+    assert len({id(s.matcher) for s in states.values()}) == 4  # a state each
