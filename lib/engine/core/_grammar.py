@@ -103,8 +103,7 @@ class Grammars:
             future = concurrent.futures.Future()
             future.set_result(template)
         elif future is None:  # not compiled, nor compiling for another request (n > 1)
-            future = self._compiling[grammar] = concurrent.futures.Future()
-            future.add_done_callback(lambda _: self._compiling.pop(grammar, None))
+            future = self._compiling[grammar] = concurrent.futures.Future()  # until polled
             threading.Thread(
                 target=self._compile_into,
                 args=(grammar, future),
@@ -131,6 +130,7 @@ class Grammars:
         for rnum, (future, grammar, submitted) in list(self._pending.items()):
             if future.done():
                 del self._pending[rnum]
+                self._compiling.pop(grammar, None)
                 try:
                     template = future.result()
                 except GrammarCompileError as exc:
