@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 
-import llguidance
 import pytest
 
 from trillm.engine.client import StructuredOutputs
 from trillm.engine.client._structured import after_reasoning
-from trillm.gpu._default_model import default_model_dir
 from trillm.http._chat_output import ChatOutputParser, ChatParts
+
+from ..grammars import accepts
 
 
 def run(parser: ChatOutputParser, text: str, piece: int) -> ChatParts:
@@ -56,18 +56,6 @@ def test_reasoning_then_a_tool_call() -> None:
 def test_an_unknown_parser_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown reasoning parser 'r2': use one of"):
         ChatOutputParser(reasoning_parser="r2", tool_names=None)
-
-
-@pytest.fixture(scope="module")
-def ll_tokenizer() -> llguidance.LLTokenizer:
-    text = (default_model_dir(progress=False) / "tokenizer.json").read_text()
-    return llguidance.LLTokenizer(text, n_vocab=49152, eos_token=2)
-
-
-def accepts(grammar: str, text: str, tokenizer: llguidance.LLTokenizer) -> bool:
-    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-    assert not matcher.is_error(), matcher.get_error()
-    return bool(matcher.consume_tokens(tokenizer.tokenize_str(text)) and matcher.is_accepting())
 
 
 @pytest.mark.parametrize("mode", ["qwen3", "deepseek_r1"])

@@ -7,7 +7,6 @@ import json
 import llguidance
 import pytest
 
-from trillm.gpu._default_model import default_model_dir
 from trillm.http._tools import (
     ToolCallStream,
     auto_grammar,
@@ -16,6 +15,8 @@ from trillm.http._tools import (
     required_grammar,
     tool_system_prompt,
 )
+
+from ..grammars import accepts
 
 WEATHER = {
     "name": "get_weather",
@@ -31,19 +32,6 @@ WEATHER = {
     },
 }
 TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {}}}
-
-
-@pytest.fixture(scope="module")
-def ll_tokenizer() -> llguidance.LLTokenizer:
-    text = (default_model_dir(progress=False) / "tokenizer.json").read_text()
-    return llguidance.LLTokenizer(text, n_vocab=49152, eos_token=2)
-
-
-def accepts(grammar: str, text: str, tokenizer: llguidance.LLTokenizer) -> bool:
-    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-    assert not matcher.is_error(), matcher.get_error()
-    ok = matcher.consume_tokens(tokenizer.tokenize_str(text))
-    return bool(ok and matcher.is_accepting())
 
 
 def test_the_required_grammar_admits_calls_of_offered_functions_only(

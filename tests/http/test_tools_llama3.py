@@ -10,9 +10,9 @@ import llguidance
 import openai
 import pytest
 
-from trillm.gpu._default_model import default_model_dir
 from trillm.http._tools_llama3 import Llama3CallStream, parse_calls, required_grammar
 
+from ..grammars import accepts
 from .conftest import start_server
 
 TIME = {
@@ -33,18 +33,6 @@ NEWS = {
         "additionalProperties": False,
     },
 }
-
-
-@pytest.fixture(scope="module")
-def ll_tokenizer() -> llguidance.LLTokenizer:
-    text = (default_model_dir(progress=False) / "tokenizer.json").read_text()
-    return llguidance.LLTokenizer(text, n_vocab=49152, eos_token=2)
-
-
-def accepts(grammar: str, text: str, tokenizer: llguidance.LLTokenizer) -> bool:
-    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-    assert not matcher.is_error(), matcher.get_error()
-    return bool(matcher.consume_tokens(tokenizer.tokenize_str(text)) and matcher.is_accepting())
 
 
 def test_the_grammar_admits_llama3_calls_only(ll_tokenizer: llguidance.LLTokenizer) -> None:

@@ -15,13 +15,6 @@ from trillm.engine.client._structured import (
     StructuredOutputError,
     StructuredOutputs,
 )
-from trillm.gpu._default_model import default_model_dir
-
-
-@pytest.fixture(scope="module")
-def ll_tokenizer() -> llguidance.LLTokenizer:
-    text = (default_model_dir(progress=False) / "tokenizer.json").read_text()
-    return llguidance.LLTokenizer(text, n_vocab=49152, eos_token=2)
 
 
 def test_exactly_one_constraint_is_taken() -> None:

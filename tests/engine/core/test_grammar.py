@@ -11,16 +11,8 @@ import numpy as np
 import pytest
 
 from trillm.engine.core._grammar import Grammars, GrammarState, GrammarViolationError
-from trillm.gpu._default_model import default_model_dir
 
-VOCAB = 49152  # SmolLM2's
-EOS = 2
-
-
-@pytest.fixture(scope="module")
-def ll_tokenizer() -> llguidance.LLTokenizer:
-    text = (default_model_dir(progress=False) / "tokenizer.json").read_text()
-    return llguidance.LLTokenizer(text, n_vocab=VOCAB, eos_token=EOS)
+from ...grammars import EOS, VOCAB
 
 
 @pytest.fixture
