@@ -120,7 +120,6 @@ async def serve_round(llm: Any, concurrency: int, max_tokens: int, constrained: 
     tokens = [0]
 
     async def one(i: int) -> None:
-        started = time.perf_counter()
         first = last = None
         n = 0
         async with llm.generate(PROMPTS[i % len(PROMPTS)], params) as stream:
@@ -131,7 +130,6 @@ async def serve_round(llm: Any, concurrency: int, max_tokens: int, constrained: 
         tokens[0] += n
         if n > 1 and first is not None and last is not None:
             tpots.append((last - first) / (n - 1))
-        del started
 
     started = time.perf_counter()
     async with trio.open_nursery() as nursery:

@@ -8,8 +8,25 @@ pick an allowed token, and the reported logprobs are those of the constrained di
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
+
+from ._step_batch import StepBatch
+
+
+def step_bitmask(batch: StepBatch, masks: Callable[[], np.ndarray] | None) -> np.ndarray:
+    """The bitmask of `batch.grammar_rnums`: carried in the batch (TP > 1), or waited for.
+
+    Raises:
+        RuntimeError: the step has grammar rows and no bitmask came with it.
+    """
+    if batch.grammar_bitmask is not None:
+        return batch.grammar_bitmask
+    if masks is None:
+        raise RuntimeError("a step with grammar rows came without their bitmask")
+    return masks()
 
 
 def apply_grammar_bitmask(

@@ -17,7 +17,7 @@ import torch
 from ._attention import AttentionMetadata, PrefillSpan
 from ._config import WorkerConfig
 from ._cpu_linear import CpuFeatures
-from ._grammar_mask import apply_grammar_bitmask
+from ._grammar_mask import apply_grammar_bitmask, step_bitmask
 from ._input_batch import InputBatch, StepInputs
 from ._kernels import KernelChoice, choose_kernels
 from ._model_config import ModelConfig
@@ -173,11 +173,7 @@ class ModelRunner:
         last = inputs.token_starts[sampling] + inputs.counts[sampling] - 1
         logits = self.model.compute_logits(hidden[self._tensor(last)])
         if len(batch.grammar_rnums):
-            bitmask = batch.grammar_bitmask if batch.grammar_bitmask is not None else None
-            if bitmask is None and masks is not None:
-                bitmask = masks()
-            if bitmask is None:
-                raise RuntimeError("a step with grammar rows came without their bitmask")
+            bitmask = step_bitmask(batch, masks)
             apply_grammar_bitmask(logits, rnums, batch.grammar_rnums, bitmask)
         states = [self.sampling[int(r)] for r in rnums]
         sampled = self.sampler(logits, self._sampling_batch(states))

@@ -169,10 +169,10 @@ def constraint(
         return StructuredOutputs(grammar=grammar + f"answer: %json {content}\n")
     if mode == "auto":
         # Lazy constraints need a trigger: Hermes has <tool_call>, Llama 3's bare JSON none.
-        strict = [f for f in functions if f.get("strict")] if not llama3 else []
-        lazy = T.auto_grammar(strict)
         if structured_outputs is not None:
             return structured_outputs
+        strict = [f for f in functions if f.get("strict")] if not llama3 else []
+        lazy = T.auto_grammar(strict)
         return StructuredOutputs(grammar=lazy) if lazy is not None else None
     if structured_outputs is not None:
         return structured_outputs

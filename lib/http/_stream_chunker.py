@@ -70,7 +70,9 @@ class StreamChunker:
         if self.chat:
             parts, finish = None, None
             if self._parser is not None:
-                parser = self._parsers.get(index) or self._parsers.setdefault(index, self._parser())
+                if index not in self._parsers:
+                    self._parsers[index] = self._parser()
+                parser = self._parsers[index]
                 parts = parser.feed(output.text)
                 if output.finished:
                     parts.add(parser.finish())

@@ -18,7 +18,6 @@ turn and asking for Hermes calls is what its own fine-tune data used.
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +26,6 @@ from ..engine.client import JSON_OPTIONS
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # `_tools_llama3` has the second
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
 
 DEFAULT_TOOL_PROMPT = (
     "You can call functions. To call one, reply with a JSON object naming the function and "
@@ -175,23 +173,13 @@ def chat_messages(
 
 
 def parse_tool_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
-    """Split a completion into its content and its calls of functions in `names`.
-
-    A block that is not JSON of that shape, or names another function, stays in the content
-    (what the model wrote is never lost).
-    """
-    calls: list[ToolCall] = []
-    kept: list[str] = []
-    last = 0
-    for match in _CALL.finditer(text):
-        call = _call(match[1], names)
-        if call is None:
-            continue
-        kept.append(text[last : match.start()])
-        last = match.end()
-        calls.append(call)
-    kept.append(text[last:])
-    return "".join(kept).strip() if calls else text, calls
+    """Split a whole completion into its content and its calls of functions in `names`
+    (`ToolCallStream` fed it at once). A block that is not JSON of that shape, or names
+    another function, stays in the content (what the model wrote is never lost)."""
+    stream = ToolCallStream(names)
+    content, _ = stream.feed(text)
+    content += stream.finish()[0]
+    return (content.strip(), stream.calls) if stream.calls else (text, [])
 
 
 def _call(body: str, names: set[str]) -> ToolCall | None:
@@ -220,7 +208,7 @@ class ToolCallStream:
 
     Text that may be the start of ``<tool_call>`` is held back; a call is emitted once its
     block closes, as two deltas: id, type and name first, then the arguments. Assembled, the
-    deltas equal the non-streamed `parse_tool_calls` of the same text.
+    deltas equal `parse_tool_calls` of the whole text, however it was split.
     """
 
     def __init__(self, names: set[str]) -> None:

@@ -140,7 +140,7 @@ class GrammarChecker:
         self._limiter = trio.CapacityLimiter(max_threads)
         self._checked: OrderedDict[bytes, str] = OrderedDict()  # constraint -> its grammar
 
-    async def check(self, constraint: StructuredOutputs, field: str = "") -> str:
+    async def check(self, constraint: StructuredOutputs) -> str:
         """The constraint's llguidance grammar, valid for this model (checked once per
         distinct constraint: a client that repeats a schema pays for one check).
 
@@ -151,7 +151,7 @@ class GrammarChecker:
         if (grammar := self._checked.get(key)) is not None:
             self._checked.move_to_end(key)
             return grammar
-        grammar = await self._check(constraint, field or f"structured_outputs.{constraint.kind}")
+        grammar = await self._check(constraint, f"structured_outputs.{constraint.kind}")
         self._checked[key] = grammar
         while len(self._checked) > MAX_CHECKED:
             self._checked.popitem(last=False)

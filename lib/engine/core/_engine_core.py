@@ -103,9 +103,7 @@ class EngineCore:
         batch = self.scheduler.schedule()
         masks = None
         if len(batch.grammar_rnums) and self._grammars is not None:
-            requests = self.scheduler.requests
-            states = [requests[rnum].grammar for rnum in batch.grammar_rnums.tolist()]
-            masks = self._grammars.start_masks([s for s in states if s is not None])
+            masks = self._grammars.start_masks(self.scheduler.grammar_states(batch))
         output = self.executor.execute(batch, masks)
         self._drain_requests(block=False)  # aborts that arrived meanwhile drop their tokens
         result = self.scheduler.update_from_output(batch, output)

@@ -27,6 +27,7 @@ from ...gpu import (
     WorkerConfig,
     WorkerFailure,
 )
+from ...gpu._grammar_mask import step_bitmask
 from ..protocol._errors import RemoteError
 from ._errors import WorkerDiedError
 
@@ -152,13 +153,11 @@ class NullExecutor(Executor):
             np.int32
         )
         if len(batch.grammar_rnums):
-            bitmask = batch.grammar_bitmask if batch.grammar_bitmask is not None else None
-            bitmask = bitmask if bitmask is not None or masks is None else masks()
-            if bitmask is not None:
-                row_of = {rnum: i for i, rnum in enumerate(sampled)}
-                bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
-                for rnum, allowed in zip(batch.grammar_rnums.tolist(), bits, strict=True):
-                    tokens[row_of[rnum]] = int(np.argmax(allowed))
+            row_of = {rnum: i for i, rnum in enumerate(sampled)}
+            bitmask = step_bitmask(batch, masks)
+            bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
+            for rnum, allowed in zip(batch.grammar_rnums.tolist(), bits, strict=True):
+                tokens[row_of[rnum]] = int(np.argmax(allowed))
         remaining = self.step_time - (time.perf_counter() - started)
         if remaining > 0:
             time.sleep(remaining)

@@ -423,6 +423,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def grammar_states(self, batch: StepBatch) -> list[GrammarState]:
+        """The grammar state of each of `batch.grammar_rnums`, in order (the mask rows)."""
+        states = [self.requests[rnum].grammar for rnum in batch.grammar_rnums.tolist()]
+        return [s for s in states if s is not None]  # schedule() lists only rows with one
+
     def has_schedulable_requests(self) -> bool:
         """Whether a step has work: requests queued or running (not only compiling)."""
         return bool(self.waiting or self.running)
