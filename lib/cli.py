@@ -38,6 +38,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU linear kernels: auto (oneDNN where this CPU runs the dtype, else F.linear), "
         "onednn (or fail at load), aten (F.linear)",
     )
+    serve.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="paged attention: auto (triton on CUDA, torch on CPU), torch (SDPA reference), "
+        "triton (the paged kernel; on CPU through Triton's interpreter, for correctness only)",
+    )
+    serve.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs: decode steps run eager"
+    )
     serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     serve.add_argument("--max-model-len", type=int)
     serve.add_argument("--max-num-seqs", type=int, default=256)
@@ -181,6 +191,8 @@ def serve_main(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         cpu_linear=args.cpu_linear,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

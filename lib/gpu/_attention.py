@@ -6,14 +6,53 @@ new token's K/V goes (block * block_size + offset). One interface, `paged_attent
 torch reference path (SDPA over gathered blocks) that is exact on CPU and CUDA. Decodes are
 batched into one SDPA call per layer (padded to the longest context, masked); prefill chunks
 run one SDPA call each, skipping the gather when the chunk is the whole context.
+
+The `triton` backend (`_attention_triton`) has the same shape: a backend object builds a
+step's metadata from numpy arrays once, and each layer calls `metadata.attend(...)`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+
+class StepAttention(Protocol):
+    """A step's attention metadata, built once, called by every layer."""
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write this step's k, v [T, Hkv, D] to the cache, then attend q [T, H, D]."""
+        ...
+
+
+class AttentionBackend(Protocol):
+    """Builds each step's `StepAttention` from the scheduled sequences (numpy)."""
+
+    name: str
+
+    def describe(self) -> str: ...
+
+    def metadata(
+        self,
+        counts: np.ndarray,
+        context_lens: np.ndarray,
+        block_tables: np.ndarray,
+        slots: np.ndarray,
+        upload: Callable[[np.ndarray], torch.Tensor],
+    ) -> StepAttention: ...
 
 
 @dataclass(frozen=True)
@@ -36,6 +75,81 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] bool: key valid
     prefills: tuple[PrefillSpan, ...]
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None  # reused gather buffers (K, V)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        return paged_attention(q, k, v, k_cache, v_cache, self, scale)
+
+
+class TorchAttention:
+    """The reference backend's metadata builder; owns the decode gather buffers."""
+
+    name = "torch"
+
+    def __init__(self, block_size: int, block_numel: int, dtype: torch.dtype, device: torch.device):
+        """`block_numel`: elements of one K (or V) block of one layer on this rank."""
+        self.block_size = block_size
+        self.block_numel = block_numel
+        self.dtype = dtype
+        self.device = device
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def describe(self) -> str:
+        return "attention torch (SDPA over gathered blocks)"
+
+    def metadata(
+        self,
+        counts: np.ndarray,
+        context_lens: np.ndarray,
+        block_tables: np.ndarray,
+        slots: np.ndarray,
+        upload: Callable[[np.ndarray], torch.Tensor],
+    ) -> AttentionMetadata:
+        """Decodes batched into one gather + SDPA, prefill chunks one SDPA each.
+
+        `block_tables` [S, width] holds each scheduled sequence's blocks (in scheduled order).
+        """
+        is_decode = (counts == 1) & (context_lens > 1)
+        decodes = np.flatnonzero(is_decode)
+        decode_idx = tables = mask = workspace = None
+        token_starts = np.cumsum(counts) - counts
+        if len(decodes):
+            lens = context_lens[decodes]
+            max_blocks = int(-(-lens.max() // self.block_size))
+            tables = upload(block_tables[decodes, :max_blocks].astype(np.int64))
+            key_pos = torch.arange(max_blocks * self.block_size, device=self.device)
+            mask = (key_pos[None, :] < upload(lens)[:, None]).view(len(decodes), 1, 1, -1)
+            decode_idx = upload(token_starts[decodes])
+            workspace = self._gather_workspace(len(decodes) * max_blocks)
+        prefills = []
+        for i in np.flatnonzero(~is_decode).tolist():
+            count, context = int(counts[i]), int(context_lens[i])
+            block_ids = None
+            if context > count:
+                n = -(-context // self.block_size)
+                block_ids = upload(block_tables[i, :n].astype(np.int64))
+            prefills.append(PrefillSpan(int(token_starts[i]), count, context, block_ids))
+        return AttentionMetadata(
+            upload(slots), decode_idx, tables, mask, tuple(prefills), workspace
+        )
+
+    def _gather_workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V buffers for `num_blocks` gathered blocks, reused across layers and steps."""
+        need = num_blocks * self.block_numel
+        if self._workspace is None or self._workspace[0].numel() < need:
+            size = max(need, 2 * (0 if self._workspace is None else len(self._workspace[0])))
+            self._workspace = (
+                torch.empty(size, dtype=self.dtype, device=self.device),
+                torch.empty(size, dtype=self.dtype, device=self.device),
+            )
+        return self._workspace
 
 
 def write_kv(

@@ -11,6 +11,8 @@ from ._cpu_linear import CPU_LINEAR
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+MAX_CUDA_GRAPH_BATCH = 512
 _FAULT = re.compile(r"forward:\d+:\d+")
 
 
@@ -43,6 +45,11 @@ class WorkerConfig:
     # AVX-512; `_cpu_linear`), plain F.linear elsewhere; "onednn": packed or an error at load;
     # "aten": plain F.linear (MKL), for comparison.
     cpu_linear: str = "auto"
+    # "auto": triton on CUDA, torch on CPU; "torch": the SDPA reference; "triton": the paged
+    # kernel (`_attention_triton`), on CPU through Triton's interpreter (correctness only).
+    attention_backend: str = "auto"
+    # No CUDA graphs: every decode step runs eager (graphs are captured on CUDA only).
+    enforce_eager: bool = False
     # Test hook: "forward:RANK:STEP" raises InjectedFault inside the model's forward on that
     # rank at that step (counting from 0), so death reporting can be tested end to end.
     inject_fault: str | None = None
@@ -59,6 +66,11 @@ class WorkerConfig:
         if self.cpu_linear not in CPU_LINEAR:
             raise WorkerConfigError(
                 f"cpu_linear {self.cpu_linear!r} is not one of {', '.join(CPU_LINEAR)}"
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise WorkerConfigError(
+                f"attention_backend {self.attention_backend!r} is not one of "
+                f"{', '.join(ATTENTION_BACKENDS)}"
             )
         if self.block_size not in (8, 16, 32, 64, 128):
             raise WorkerConfigError(
@@ -85,6 +97,21 @@ class WorkerConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+    def attention_backend_for(self, device: torch.device) -> str:
+        """The backend `auto` resolves to on `device`: triton on CUDA, torch elsewhere."""
+        if self.attention_backend == "auto":
+            return "triton" if device.type == "cuda" else "torch"
+        return self.attention_backend
+
+    def cuda_graph_sizes(self) -> tuple[int, ...]:
+        """Decode batch sizes captured as CUDA graphs, as vLLM: 1, 2, 4, 8, then every 8 up
+        to max_num_seqs (capped at 512); the last covers max_num_seqs. Empty when eager."""
+        if self.enforce_eager:
+            return ()
+        top = min(self.max_num_seqs, MAX_CUDA_GRAPH_BATCH)
+        sizes = [s for s in (1, 2, 4) if s < top] + list(range(8, top + 8, 8))
+        return tuple(sorted({min(s, top) if s >= top else s for s in sizes}))
 
     def fault_at(self) -> tuple[int, int] | None:
         """(rank, step) of the injected fault, if the test hook is set."""

@@ -18,7 +18,7 @@ class KernelChoice(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
     `linear` is "onednn" (weights packed for oneDNN), "aten" (`F.linear`: MKL on CPU,
     cuBLAS on CUDA); `isa` is what the choice depended on (`CpuFeatures.summary()` on CPU,
-    the GPU's name on CUDA).
+    the GPU's name on CUDA); `attention` is the attention backend ("torch" or "triton").
     """
 
     device: str
@@ -26,11 +26,18 @@ class KernelChoice(msgspec.Struct, array_like=True, frozen=True, gc=False):
     linear: str
     isa: str = ""
     reason: str = ""
+    attention: str = ""
 
     def describe(self) -> str:
-        """One line for a log: "kernels: bfloat16 on cpu, linears aten (isa ...; reason)"."""
+        """One line for a log: "kernels: bfloat16 on cpu, linears aten (isa ...; reason),
+        attention torch"."""
         why = "; ".join(part for part in (self.isa, self.reason) if part)
-        return f"kernels: {self.dtype} on {self.device}, linears {self.linear} ({why})"
+        line = f"kernels: {self.dtype} on {self.device}, linears {self.linear} ({why})"
+        if self.attention:
+            line += f", attention {self.attention}"
+            if self.attention == "triton" and self.device == "cpu":
+                line += " (Triton's interpreter on CPU: for correctness only, very slow)"
+        return line
 
 
 def choose_kernels(
@@ -38,6 +45,7 @@ def choose_kernels(
     dtype: torch.dtype,
     cpu_linear: str,
     cpu_features: CpuFeatures | None = None,
+    attention: str = "",
 ) -> KernelChoice:
     """The kernels for a model in `dtype` on `device`.
 
@@ -45,6 +53,7 @@ def choose_kernels(
         cpu_linear: "auto", "onednn" or "aten" (`WorkerConfig.cpu_linear`); CPU only.
         cpu_features: the CPU's answer to use instead of probing it (tests force either
             branch with it); None probes this CPU, once per process.
+        attention: the attention backend in use, recorded as it is.
 
     Raises:
         CpuLinearUnsupportedError: "onednn" was asked for a dtype this CPU cannot pack.
@@ -52,7 +61,7 @@ def choose_kernels(
     name = str(dtype).removeprefix("torch.")
     if device.type != "cpu":
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        return KernelChoice(str(device), name, "aten", gpu, "F.linear (cuBLAS)")
+        return KernelChoice(str(device), name, "aten", gpu, "F.linear (cuBLAS)", attention)
     features = cpu_features if cpu_features is not None else probe_cpu_features()
     linear = choose_cpu_linear(cpu_linear, dtype, features)
-    return KernelChoice("cpu", name, linear.path, features.summary(), linear.reason)
+    return KernelChoice("cpu", name, linear.path, features.summary(), linear.reason, attention)

@@ -14,9 +14,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ._attention import AttentionMetadata, PrefillSpan
+from ._attention import AttentionBackend, StepAttention, TorchAttention
 from ._config import WorkerConfig
 from ._cpu_linear import CpuFeatures
+from ._cuda_graphs import DecodeGraphs
 from ._grammar_mask import apply_grammar_bitmask, step_bitmask
 from ._input_batch import InputBatch, StepInputs
 from ._kernels import KernelChoice, choose_kernels
@@ -53,8 +54,8 @@ class ModelRunner:
         self.sampling: dict[int, RequestSamplingState] = {}
         self.sampler = Sampler()
         self.kv_caches: list[KVCache] = []
-        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._block_numel = 0
+        self.attention: AttentionBackend | None = None  # made by init_kv_cache
+        self.graphs: DecodeGraphs | None = None  # made by capture_cuda_graphs
         self.model: LlamaForCausalLM | None = None
         self.kernels: KernelChoice | None = None  # chosen by load_model
         self._cpu_features = cpu_features
@@ -70,7 +71,11 @@ class ModelRunner:
         """Build the model on the device and load `weights` (None: random, for benchmarks)."""
         # Chosen first: an unsupported explicit choice fails before any weight is read.
         self.kernels = choose_kernels(
-            self.device, self.dtype, self.config.cpu_linear, self._cpu_features
+            self.device,
+            self.dtype,
+            self.config.cpu_linear,
+            self._cpu_features,
+            self.config.attention_backend_for(self.device),
         )
         torch.manual_seed(self.config.seed)
         with torch.device(self.device):
@@ -96,7 +101,8 @@ class ModelRunner:
         cfg = self.model_config
         heads = self.tp.split(cfg.num_kv_heads, "num_key_value_heads")
         shape = (num_blocks, self.block_size, heads, cfg.head_dim)
-        self._block_numel = self.block_size * heads * cfg.head_dim
+        if self.attention is None:
+            self.attention = self._attention_backend(heads)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -104,6 +110,44 @@ class ModelRunner:
             )
             for _ in range(cfg.num_layers)
         ]
+
+    def _attention_backend(self, kv_heads: int) -> AttentionBackend:
+        cfg = self.model_config
+        if self.config.attention_backend_for(self.device) == "triton":
+            from ._attention_triton import TritonAttention  # imports triton: only when chosen
+
+            heads = self.tp.split(cfg.num_heads, "num_attention_heads")
+            return TritonAttention(heads, kv_heads, cfg.head_dim, self.block_size, self.device)
+        block_numel = self.block_size * kv_heads * cfg.head_dim
+        return TorchAttention(self.block_size, block_numel, self.dtype, self.device)
+
+    def capture_cuda_graphs(self, *, off_cuda: bool = False) -> str:
+        """Capture decode graphs (after `init_kv_cache`); returns the line to log.
+
+        `off_cuda` builds the static, padded buffers on CPU too (no graph: tests).
+        """
+        sizes = self.config.cuda_graph_sizes()
+        if self.device.type != "cuda" and not off_cuda:
+            return "cuda graphs: none (not on CUDA)"
+        if not sizes:
+            return "cuda graphs: none (--enforce-eager)"
+        if self.tp.world_size > 1:
+            return "cuda graphs: none (tensor parallel steps run eager)"
+        from ._attention_triton import TritonAttention
+
+        if not isinstance(self.attention, TritonAttention):
+            return (
+                "cuda graphs: none (the torch attention backend's shapes change with each "
+                "step; use --attention-backend triton)"
+            )
+        assert self.model is not None
+        max_blocks = self.inputs.block_table.shape[1]
+        graphs = DecodeGraphs(
+            self.model, self.kv_caches, self.attention, sizes, max_blocks, self.device
+        )
+        report = graphs.capture()
+        self.graphs = graphs
+        return report.describe()
 
     def profile_run(self) -> None:
         """One forward of a full token budget, so peak activation memory can be measured.
@@ -160,10 +204,7 @@ class ModelRunner:
         if not len(batch.scheduled_rnums):
             return RunnerOutput(np.zeros(0, np.uint64), np.zeros(0, np.int32))
         inputs = self.inputs.prepare(batch.scheduled_rnums, batch.num_scheduled_tokens)
-        meta = self._attention_metadata(inputs)
-        hidden = self.model(
-            self._tensor(inputs.input_ids), self._tensor(inputs.positions), self.kv_caches, meta
-        )
+        hidden = self._forward(inputs)
         prompt_logprobs = self._prompt_logprobs(batch, inputs, hidden)
         self.inputs.advance(inputs)
         sampling = np.flatnonzero(inputs.samples)
@@ -178,6 +219,31 @@ class ModelRunner:
         states = [self.sampling[int(r)] for r in rnums]
         sampled = self.sampler(logits, self._sampling_batch(states))
         return self._finish(inputs, sampling, rnums, states, sampled, prompt_logprobs)
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states of the step's tokens: a graph replay for decodes, else eager."""
+        assert self.model is not None
+        graphs = self.graphs
+        num_seqs = len(inputs.rows)
+        if (
+            graphs is not None
+            and not self.model.fail_next_forward  # the fault hook lives in the eager forward
+            and len(inputs.input_ids) == num_seqs  # one token each: decodes
+            and graphs.size_for(num_seqs) is not None
+        ):
+            width = int(-(-inputs.context_lens.max() // self.block_size))
+            return graphs.run(
+                self._tensor(inputs.input_ids),
+                self._tensor(inputs.positions),
+                self._tensor(inputs.slots),
+                self._tensor(inputs.context_lens.astype(np.int32)),
+                self._tensor(np.ascontiguousarray(self.inputs.block_table[inputs.rows, :width])),
+            )
+        meta = self._attention_metadata(inputs)
+        hidden: torch.Tensor = self.model(
+            self._tensor(inputs.input_ids), self._tensor(inputs.positions), self.kv_caches, meta
+        )
+        return hidden
 
     def _update_requests(self, batch: StepBatch) -> None:
         for rnum in batch.finished_rnums.tolist():
@@ -219,58 +285,39 @@ class ModelRunner:
         sampled: SamplerOutput,
         prompt_logprobs: dict[int, PromptLogprobs],
     ) -> RunnerOutput:
-        token_ids = sampled.token_ids.to("cpu", torch.int32).numpy()
+        token_ids, logprobs, topk_ids, topk_logprobs = _to_host(
+            sampled.token_ids.to(torch.int32),
+            sampled.logprobs,
+            sampled.topk_ids,
+            sampled.topk_logprobs,
+        )
+        assert token_ids is not None
         self.inputs.append_tokens(inputs.rows[sampling], token_ids)
         for state, token in zip(states, token_ids.tolist(), strict=True):
             state.output_token_ids.append(token)
         return RunnerOutput(
             rnums,
             token_ids,
-            logprobs=_numpy(sampled.logprobs),
-            topk_ids=_numpy(sampled.topk_ids),
-            topk_logprobs=_numpy(sampled.topk_logprobs),
+            logprobs=logprobs,
+            topk_ids=topk_ids,
+            topk_logprobs=topk_logprobs,
             prompt_logprobs=prompt_logprobs,
         )
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
+        """Host array to the device; on CUDA through pinned memory, so the copy is async."""
+        tensor = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
 
-    def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
-        is_decode = (inputs.counts == 1) & (inputs.context_lens > 1)
-        decodes = np.flatnonzero(is_decode)
-        decode_idx = tables = mask = workspace = None
-        if len(decodes):
-            rows = inputs.rows[decodes]
-            lens = inputs.context_lens[decodes]
-            max_blocks = int(-(-lens.max() // self.block_size))
-            tables = self._tensor(self.inputs.block_table[rows, :max_blocks].astype(np.int64))
-            key_pos = torch.arange(max_blocks * self.block_size, device=self.device)
-            mask = (key_pos[None, :] < self._tensor(lens)[:, None]).view(len(rows), 1, 1, -1)
-            decode_idx = self._tensor(inputs.token_starts[decodes])
-            workspace = self._gather_workspace(len(rows) * max_blocks)
-        prefills = []
-        for i in np.flatnonzero(~is_decode).tolist():
-            count, context = int(inputs.counts[i]), int(inputs.context_lens[i])
-            block_ids = None
-            if context > count:
-                n = -(-context // self.block_size)
-                block_ids = self._tensor(
-                    self.inputs.block_table[inputs.rows[i], :n].astype(np.int64)
-                )
-            prefills.append(PrefillSpan(int(inputs.token_starts[i]), count, context, block_ids))
-        return AttentionMetadata(
-            self._tensor(inputs.slots), decode_idx, tables, mask, tuple(prefills), workspace
+    def _attention_metadata(self, inputs: StepInputs) -> StepAttention:
+        assert self.attention is not None
+        width = int(-(-inputs.context_lens.max() // self.block_size))
+        tables = self.inputs.block_table[inputs.rows, :width]
+        return self.attention.metadata(
+            inputs.counts, inputs.context_lens, tables, inputs.slots, self._tensor
         )
-
-    def _gather_workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V buffers for `num_blocks` gathered blocks, reused across layers and steps."""
-        if self._workspace is None or self._workspace[0].numel() < num_blocks * self._block_numel:
-            size = max(num_blocks, 2 * (0 if self._workspace is None else len(self._workspace[0])))
-            self._workspace = (
-                torch.empty(size * self._block_numel, dtype=self.dtype, device=self.device),
-                torch.empty(size * self._block_numel, dtype=self.dtype, device=self.device),
-            )
-        return self._workspace
 
     def _prompt_logprobs(
         self, batch: StepBatch, inputs: StepInputs, hidden: torch.Tensor
@@ -298,3 +345,18 @@ class ModelRunner:
 
 def _numpy(tensor: torch.Tensor | None) -> np.ndarray | None:
     return None if tensor is None else tensor.cpu().numpy()
+
+
+def _to_host(*tensors: torch.Tensor | None) -> list[np.ndarray | None]:
+    """The step's results as numpy: on CUDA, non-blocking copies into pinned memory and one
+    wait for the stream, the decode step's only sync."""
+    if not any(t is not None and t.is_cuda for t in tensors):
+        return [_numpy(t) for t in tensors]
+    hosts = [
+        None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors
+    ]
+    for host, tensor in zip(hosts, tensors, strict=True):
+        if host is not None and tensor is not None:
+            host.copy_(tensor, non_blocking=True)
+    torch.cuda.current_stream().synchronize()
+    return [None if h is None else h.numpy() for h in hosts]

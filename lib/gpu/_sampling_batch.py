@@ -1,133 +1,26 @@
-"""Per-request sampling state, and the per-step vectorised batch built from it.
+"""The per-step vectorised batch of the rows being sampled, built from their states.
 
 A step's rows rarely use more than a few of the sampling options, so the batch holds tensors
 only for the options some row uses: a batch of plain greedy rows is an empty record and the
 sampler does one argmax. `SamplingBatch.build` costs O(batch) Python per step plus, for
-penalised rows, O(tokens appended since the last step): each `RequestSamplingState` converts
-its options to numpy once and mirrors its output tokens into a growing numpy buffer, so the
-per-step work on whole sequences (concatenation, counting) is done by numpy and torch.
+penalised rows, O(tokens appended since the last step) (see `RequestSamplingState`). It never
+waits for the device: its decisions are made on host data and its tensors reach the device in
+one non-blocking copy from pinned memory.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from ._sampling_options import SamplingOptions
-
-_SEED_MASK = (1 << 64) - 1  # torch generators take seeds in [0, 2**64)
-
-
-class TokenIdOutOfVocabError(ValueError):
-    """A request names a token id outside the model's vocabulary (in logit_bias,
-    stop_token_ids or its prompt); the engine should validate ids against the vocabulary."""
-
-
-class RequestSamplingState:
-    """What the model runner keeps per request for sampling.
-
-    `output_token_ids` is the list the runner appends each step's sampled token to; the
-    sampler reads it at `SamplingBatch.build` (for penalties and min_tokens). Append to it
-    freely but shorten it only with `truncate_output`: penalised requests mirror it into numpy
-    incrementally, by length. `generator` exists when the request is seeded, so its noise is
-    its own.
-
-    Args:
-        options: the request's validated sampling options.
-        prompt_token_ids: the prompt (for the repetition penalty), stored as int32 numpy.
-        device: where the seeded generator lives (the logits' device).
-    """
-
-    __slots__ = (
-        "_bias_token_ids",
-        "_bias_values",
-        "_checked_vocab_size",
-        "_num_mirrored",
-        "_output_mirror",
-        "_stop_token_ids",
-        "generator",
-        "options",
-        "output_token_ids",
-        "prompt_token_ids",
-    )
-
-    def __init__(
-        self,
-        options: SamplingOptions,
-        prompt_token_ids: npt.ArrayLike,
-        device: torch.device,
-    ) -> None:
-        self.options = options
-        self.prompt_token_ids: npt.NDArray[np.int32] = np.ascontiguousarray(
-            prompt_token_ids, dtype=np.int32
-        ).reshape(-1)
-        self.output_token_ids: list[int] = []
-        self.generator: torch.Generator | None = None
-        if options.seed is not None:
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(options.seed & _SEED_MASK)
-        self._bias_token_ids = np.array([t for t, _ in options.logit_bias], dtype=np.int64)
-        self._bias_values = np.array([b for _, b in options.logit_bias], dtype=np.float32)
-        self._stop_token_ids = np.array(options.stop_token_ids, dtype=np.int64)
-        self._output_mirror = np.empty(0, dtype=np.int64)
-        self._num_mirrored = 0
-        self._checked_vocab_size = 0
-
-    def check_token_ids(self, vocab_size: int) -> None:
-        """Raise TokenIdOutOfVocabError if an id the sampler indexes by lies outside [0, V).
-
-        Out-of-range indices would fault the device mid-step; checked once per vocab size.
-        """
-        if self._checked_vocab_size == vocab_size:
-            return
-        for what, ids in (
-            ("logit_bias", self._bias_token_ids),
-            ("stop_token_ids", self._stop_token_ids),
-            ("prompt", self.prompt_token_ids),
-        ):
-            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-                bad = int(ids[(ids < 0) | (ids >= vocab_size)][0])
-                raise TokenIdOutOfVocabError(
-                    f"{what} token id {bad} is outside the vocabulary [0, {vocab_size}); "
-                    "reject the request before it reaches the model runner"
-                )
-        self._checked_vocab_size = vocab_size
-
-    def truncate_output(self, num_tokens: int) -> None:
-        """Keep the first num_tokens output tokens (e.g. after rejected draft tokens)."""
-        del self.output_token_ids[num_tokens:]
-        self._num_mirrored = min(self._num_mirrored, num_tokens)
-
-    def output_token_array(self) -> npt.NDArray[np.int64]:
-        """The output tokens as numpy, converting only those appended since the last call."""
-        num_output = len(self.output_token_ids)
-        if num_output < self._num_mirrored:  # shortened without truncate_output
-            self._num_mirrored = num_output
-        if num_output > len(self._output_mirror):
-            grown = np.empty(max(64, 2 * num_output), dtype=np.int64)
-            grown[: self._num_mirrored] = self._output_mirror[: self._num_mirrored]
-            self._output_mirror = grown
-        if num_output > self._num_mirrored:
-            new = self.output_token_ids[self._num_mirrored :]
-            self._output_mirror[self._num_mirrored : num_output] = new
-            self._num_mirrored = num_output
-        return self._output_mirror[:num_output]
-
-    def min_tokens_masked_ids(self, eos_token_id: int | None) -> npt.NDArray[np.int64] | None:
-        """Token ids to mask this step (stop ids and EOS), or None once min_tokens is reached.
-
-        EOS is masked even with ignore_eos: that flag only changes when the engine stops.
-        """
-        if len(self.output_token_ids) >= self.options.min_tokens:
-            return None
-        if eos_token_id is None:
-            return self._stop_token_ids
-        return np.append(self._stop_token_ids, np.int64(eos_token_id))
+from ._pinned import HostStaging
+from ._sampling_state import RequestSamplingState as RequestSamplingState
+from ._sampling_state import TokenIdOutOfVocabError as TokenIdOutOfVocabError
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +36,7 @@ class RandomRows:
     top_k: torch.Tensor | None  # [R] int64 in [1, V]; V for rows with top_k off
     max_top_k: int  # the largest top_k of the rows that set one
     top_p: torch.Tensor | None  # [R] float32; 1 for rows with top_p off
+    top_p_rows_set_top_k: bool  # every row with top_p on also sets a top_k
     log_min_p: torch.Tensor | None  # [R] float32; -inf for rows with min_p off
     seeded: tuple[tuple[int, torch.Generator], ...]  # (position among random rows, generator)
     all_seeded: bool
@@ -150,10 +44,9 @@ class RandomRows:
 
 @dataclass(frozen=True, slots=True)
 class LogitEdits:
-    """Sparse per-token edits: add `values` (or -inf) at (rows, token_ids)."""
+    """Sparse per-token edits of a [B, V] tensor viewed flat: add `values` (or -inf) there."""
 
-    rows: torch.Tensor  # [N] int64
-    token_ids: torch.Tensor  # [N] int64
+    flat_index: torch.Tensor  # [N] int64: row * V + token id
     values: torch.Tensor | None  # [N] float32; None means mask to -inf
 
 
@@ -226,7 +119,10 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device,
     ) -> SamplingBatch:
-        """Gather this step's rows into tensors on `device`.
+        """Gather this step's rows into tensors on `device`, without waiting for the device.
+
+        Every decision is made on host data; the tensors reach the device in one
+        non-blocking copy from pinned memory (see `HostStaging`).
 
         Args:
             rows: the requests sampled this step, in the order of the logits' rows.
@@ -264,125 +160,163 @@ class SamplingBatch:
             k = options.logprobs
             if k is not None and (max_logprobs is None or k > max_logprobs):
                 max_logprobs = k
+        staging = HostStaging()
+        random = _stage_random_rows(rows, random_rows, vocab_size, staging) if random_rows else None
+        bias = _stage_logit_bias(rows, bias_rows, vocab_size, staging) if bias_rows else None
+        masked = (
+            _stage_token_edits(masked_rows, masked_ids, None, vocab_size, staging)
+            if masked_rows
+            else None
+        )
+        penalties = (
+            _stage_penalty_rows(rows, penalty_rows, vocab_size, staging, device)
+            if penalty_rows
+            else None
+        )
+        staging.upload(device)
         return cls(
             num_rows=len(rows),
             vocab_size=vocab_size,
-            random=_random_rows(rows, random_rows, vocab_size, device) if random_rows else None,
-            logit_bias=_logit_bias(rows, bias_rows, device) if bias_rows else None,
-            min_tokens_mask=(
-                _token_edits(masked_rows, masked_ids, None, device) if masked_rows else None
-            ),
-            penalties=(
-                _penalty_rows(rows, penalty_rows, vocab_size, device) if penalty_rows else None
-            ),
+            random=None if random is None else random(),
+            logit_bias=None if bias is None else bias(),
+            min_tokens_mask=None if masked is None else masked(),
+            penalties=None if penalties is None else penalties(),
             max_logprobs=max_logprobs,
         )
 
 
-def _random_rows(
-    rows: Sequence[RequestSamplingState], indices: list[int], vocab_size: int, device: torch.device
-) -> RandomRows:
+# Each _stage_* puts its group's host arrays in the staging buffer and returns the function
+# that, once the buffer is uploaded, makes the group's record from the device tensors.
+
+
+def _stage_random_rows(
+    rows: Sequence[RequestSamplingState],
+    indices: list[int],
+    vocab_size: int,
+    staging: HostStaging,
+) -> Callable[[], RandomRows]:
     options = [rows[i].options for i in indices]
-    temperatures = [o.temperature for o in options]
     top_ks = [min(o.top_k, vocab_size) if o.top_k > 0 else 0 for o in options]
     max_top_k = max(top_ks)
     generators = [rows[i].generator for i in indices]
     seeded = tuple((j, g) for j, g in enumerate(generators) if g is not None)
-    return RandomRows(
-        rows=None if len(indices) == len(rows) else _tensor(indices, torch.int64, device),
-        temperature=(
-            None
-            if all(t == 1.0 for t in temperatures)
-            else _tensor(temperatures, torch.float32, device)
-        ),
-        top_k=(
-            None
-            if max_top_k == 0
-            else _tensor([k or vocab_size for k in top_ks], torch.int64, device)
-        ),
-        max_top_k=max_top_k,
-        top_p=(
-            None
-            if all(o.top_p >= 1.0 for o in options)
-            else _tensor([min(o.top_p, 1.0) for o in options], torch.float32, device)
-        ),
-        log_min_p=(
-            None
-            if all(o.min_p <= 0.0 for o in options)
-            else _tensor(
-                [math.log(o.min_p) if o.min_p > 0.0 else -math.inf for o in options],
-                torch.float32,
-                device,
+    row_slot = _stage_rows(indices, len(rows), staging)
+    temperature = None
+    if any(o.temperature != 1.0 for o in options):
+        temperature = staging.add(np.array([o.temperature for o in options], np.float32))
+    top_k = None
+    if max_top_k:
+        top_k = staging.add(np.array([k or vocab_size for k in top_ks], np.int64))
+    top_p = None
+    if any(o.top_p < 1.0 for o in options):
+        top_p = staging.add(np.array([min(o.top_p, 1.0) for o in options], np.float32))
+    log_min_p = None
+    if any(o.min_p > 0.0 for o in options):
+        log_min_p = staging.add(
+            np.array(
+                [math.log(o.min_p) if o.min_p > 0.0 else -math.inf for o in options], np.float32
             )
-        ),
-        seeded=seeded,
-        all_seeded=len(seeded) == len(indices),
-    )
+        )
+
+    def finish() -> RandomRows:
+        return RandomRows(
+            rows=_uploaded(staging, row_slot),
+            temperature=_uploaded(staging, temperature),
+            top_k=_uploaded(staging, top_k),
+            max_top_k=max_top_k,
+            top_p=_uploaded(staging, top_p),
+            top_p_rows_set_top_k=all(o.top_k > 0 for o in options if o.top_p < 1.0),
+            log_min_p=_uploaded(staging, log_min_p),
+            seeded=seeded,
+            all_seeded=len(seeded) == len(indices),
+        )
+
+    return finish
 
 
-def _logit_bias(
-    rows: Sequence[RequestSamplingState], indices: list[int], device: torch.device
-) -> LogitEdits:
+def _stage_logit_bias(
+    rows: Sequence[RequestSamplingState], indices: list[int], vocab_size: int, staging: HostStaging
+) -> Callable[[], LogitEdits]:
     states = [rows[i] for i in indices]
     values = np.concatenate([s._bias_values for s in states])
-    return _token_edits(indices, [s._bias_token_ids for s in states], values, device)
+    token_ids = [s._bias_token_ids for s in states]
+    return _stage_token_edits(indices, token_ids, values, vocab_size, staging)
 
 
-def _token_edits(
+def _stage_token_edits(
     indices: list[int],
     token_ids: list[npt.NDArray[np.int64]],
     values: npt.NDArray[np.float32] | None,
+    vocab_size: int,
+    staging: HostStaging,
+) -> Callable[[], LogitEdits]:
+    flat_index = staging.add(_flat_index(token_ids, vocab_size, indices))
+    value_slot = None if values is None else staging.add(values)
+    return lambda: LogitEdits(staging[flat_index], _uploaded(staging, value_slot))
+
+
+def _stage_penalty_rows(
+    rows: Sequence[RequestSamplingState],
+    indices: list[int],
+    vocab_size: int,
+    staging: HostStaging,
     device: torch.device,
-) -> LogitEdits:
-    lengths = [len(ids) for ids in token_ids]
-    return LogitEdits(
-        rows=_from_numpy(np.repeat(np.asarray(indices, dtype=np.int64), lengths), device),
-        token_ids=_from_numpy(np.concatenate(token_ids), device),
-        values=None if values is None else _from_numpy(values, device),
-    )
-
-
-def _penalty_rows(
-    rows: Sequence[RequestSamplingState], indices: list[int], vocab_size: int, device: torch.device
-) -> PenaltyRows:
+) -> Callable[[], PenaltyRows]:
     states = [rows[i] for i in indices]
     options = [s.options for s in states]
+    output_index = staging.add(_flat_index([s.output_token_array() for s in states], vocab_size))
+    repetition = np.array([o.repetition_penalty for o in options], np.float32)
+    prompt_index = None
+    if (repetition != 1.0).any():
+        prompt_index = staging.add(_flat_index([s.prompt_token_ids for s in states], vocab_size))
+    row_slot = _stage_rows(indices, len(rows), staging)
+    repetition_slot = staging.add(repetition)
+    frequency = staging.add(np.array([o.frequency_penalty for o in options], np.float32))
+    presence = staging.add(np.array([o.presence_penalty for o in options], np.float32))
     shape = (len(states), vocab_size)
-    output_counts = torch.zeros(shape, dtype=torch.float32, device=device)
-    output_index = _flat_index([s.output_token_array() for s in states], vocab_size)
-    if output_index.size:
-        one = torch.ones((), dtype=torch.float32, device=device)
-        output_counts.view(-1).index_put_((_from_numpy(output_index, device),), one, True)
-    repetition = [o.repetition_penalty for o in options]
-    prompt_mask = None
-    if any(r != 1.0 for r in repetition):
-        prompt_mask = torch.zeros(shape, dtype=torch.bool, device=device)
-        prompt_index = _flat_index([s.prompt_token_ids for s in states], vocab_size)
-        prompt_mask.view(-1)[_from_numpy(prompt_index, device)] = True
-    return PenaltyRows(
-        rows=None if len(indices) == len(rows) else _tensor(indices, torch.int64, device),
-        output_counts=output_counts,
-        prompt_mask=prompt_mask,
-        repetition=_tensor(repetition, torch.float32, device),
-        frequency=_tensor([o.frequency_penalty for o in options], torch.float32, device),
-        presence=_tensor([o.presence_penalty for o in options], torch.float32, device),
-    )
+
+    def finish() -> PenaltyRows:
+        output_counts = torch.zeros(shape, dtype=torch.float32, device=device)
+        index = staging[output_index]
+        ones = torch.ones(index.shape, dtype=torch.float32, device=device)
+        output_counts.view(-1).index_add_(0, index, ones)
+        prompt_mask = None
+        if prompt_index is not None:
+            prompt_mask = torch.zeros(shape, dtype=torch.bool, device=device)
+            prompt_mask.view(-1).index_fill_(0, staging[prompt_index], True)
+        return PenaltyRows(
+            rows=_uploaded(staging, row_slot),
+            output_counts=output_counts,
+            prompt_mask=prompt_mask,
+            repetition=staging[repetition_slot],
+            frequency=staging[frequency],
+            presence=staging[presence],
+        )
+
+    return finish
+
+
+def _stage_rows(indices: list[int], num_rows: int, staging: HostStaging) -> int | None:
+    """Stage a group's batch rows; None (no tensor) when the group is the whole batch."""
+    if len(indices) == num_rows:
+        return None
+    return staging.add(np.array(indices, np.int64))
+
+
+def _uploaded(staging: HostStaging, slot: int | None) -> torch.Tensor | None:
+    return None if slot is None else staging[slot]
 
 
 def _flat_index(
-    token_ids: list[npt.NDArray[np.int32]] | list[npt.NDArray[np.int64]], vocab_size: int
+    token_ids: Sequence[npt.NDArray[np.int32] | npt.NDArray[np.int64]],
+    vocab_size: int,
+    rows: Sequence[int] | None = None,
 ) -> npt.NDArray[np.int64]:
-    """Indices into a [len(token_ids), vocab_size] tensor viewed flat: row * V + token."""
+    """Indices into a [B, vocab_size] tensor viewed flat: row * V + token, where row i's
+    tokens are token_ids[i] and rows[i] its row (i itself when rows is None)."""
     lengths = [len(ids) for ids in token_ids]
-    row_offsets = np.repeat(np.arange(len(token_ids), dtype=np.int64) * vocab_size, lengths)
+    row_ids = (
+        np.arange(len(token_ids), dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
+    )
+    row_offsets = np.repeat(row_ids * vocab_size, lengths)
     return row_offsets + np.concatenate(token_ids).astype(np.int64, copy=False)
-
-
-def _tensor(
-    values: list[int] | list[float], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device)
-
-
-def _from_numpy(array: npt.NDArray[np.generic], device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(array).to(device)

@@ -9,6 +9,7 @@ sized. The executor calls, in order: `init_device`, `load_model`, `num_available
 from __future__ import annotations
 
 import datetime
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -118,7 +119,12 @@ class Worker:
         return int(blocks)
 
     def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache, then capture the decode CUDA graphs over it (on CUDA)."""
         self.runner.init_kv_cache(num_blocks)
+        if self.device.type == "cuda":
+            line = self.runner.capture_cuda_graphs()
+            if self.rank == 0:
+                print(f"trillm: {line}", file=sys.stderr, flush=True)
 
     def execute(
         self, batch: StepBatch, masks: Callable[[], np.ndarray] | None = None

@@ -38,10 +38,12 @@ def reference_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
         return hf(torch.tensor([tokens])).logits[0, -1]
 
 
+@pytest.mark.parametrize("attention", ["torch", "triton"])
 def test_logits_equal_transformers_for_mixed_prefill_chunks_and_decodes(
-    tiny_model_dir: Path,
+    tiny_model_dir: Path, attention: str
 ) -> None:
-    runner = make_runner(tiny_model_dir)
+    """Both attention backends (triton through its interpreter on CPU)."""
+    runner = make_runner(tiny_model_dir, attention_backend=attention)
     capture = CapturingSampler(runner.sampler)
     runner.sampler = capture  # type: ignore[assignment]
     prompts = [list(range(100, 123)), list(range(300, 305)), list(range(7, 20)), [42]]

@@ -12,7 +12,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trillm.gpu._sampler import Sampler, _process_logits, compute_logprobs
+from trillm.gpu._sampler import (
+    Sampler,
+    _apply_top_k,
+    _process_logits,
+    _top_p_among_top_k,
+    _top_p_by_bisection,
+    _top_p_by_sort,
+    compute_logprobs,
+)
 from trillm.gpu._sampling_batch import RequestSamplingState, SamplingBatch, TokenIdOutOfVocabError
 from trillm.gpu._sampling_options import SamplingOptions
 
@@ -370,3 +378,166 @@ def test_compute_logprobs_for_prompt_positions() -> None:
     assert compute_logprobs(logits, targets, 0)[1:] == (None, None)
     with pytest.raises(ValueError, match="k must be in"):
         compute_logprobs(logits, targets, -1)
+
+
+# --- top-p without a sort, against the full sort ----------------------------------------------
+
+
+def sorted_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
+) -> torch.Tensor:
+    """The sampler's filter before it stopped sorting the vocabulary (the reference)."""
+    ascending, order = logits.sort(dim=-1)
+    if top_k is not None:
+        kth = ascending.gather(1, (logits.shape[-1] - top_k).unsqueeze(1))
+        ascending.masked_fill_(ascending < kth, -torch.inf)
+    cumulative = ascending.softmax(dim=-1).cumsum_(dim=-1)
+    drop = cumulative <= 1 - top_p.unsqueeze(1)
+    drop[:, -1] = False
+    ascending.masked_fill_(drop, -torch.inf)
+    return torch.empty_like(ascending).scatter_(-1, order, ascending)
+
+
+def mass_above(logits: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, V] float64: the probability after top-k of the tokens strictly larger than each
+    token; and [R, V] bool: the top-k set (ties with the k-th included)."""
+    values = logits.double()
+    kth = values.sort(dim=-1).values.gather(1, (logits.shape[-1] - top_k).unsqueeze(1))
+    in_top_k = values >= kth
+    values = values.masked_fill(~in_top_k, -torch.inf)
+    ascending, order = values.sort(dim=-1)
+    probs = values.softmax(dim=-1).gather(1, order)
+    suffix = torch.nn.functional.pad(probs.flip(-1).cumsum(-1).flip(-1), (0, 1))  # mass from i
+    not_larger = torch.searchsorted(ascending, values, right=True)  # how many are <= each
+    return suffix.gather(1, not_larger), in_top_k
+
+
+def check_top_p(
+    got: torch.Tensor,
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    *,
+    tolerance: float = 1e-4,
+) -> None:
+    """`got` keeps the exact (float64) set and the full sort's set, but for tokens whose mass
+    above is within float32 rounding of top_p, and for ties with the smallest kept token
+    (kept here: the sort keeps those that happen to sort first)."""
+    kept = got > -torch.inf
+    above, in_top_k = mass_above(logits, top_k)
+    target = top_p.double().unsqueeze(1)
+    exact = in_top_k & ((above < target) | (target >= 1.0))
+    reference = sorted_top_k_top_p(logits.clone(), top_k, top_p) > -torch.inf
+    borderline = in_top_k & ((above - target).abs() <= tolerance)
+    weights = (logits - logits.amax(dim=-1, keepdim=True)).exp()  # ties as float32 sees them
+    for name, want in (("the exact set", exact), ("the full sort", reference)):
+        smallest = weights.masked_fill(~want, torch.inf).amin(dim=-1, keepdim=True)
+        tie = kept & ~want & (weights == smallest)
+        wrong = (kept ^ want) & ~borderline & ~tie
+        assert not wrong.any(), f"differs from {name} at {wrong.nonzero().tolist()}"
+
+
+@st.composite
+def top_p_cases(
+    draw: st.DrawFn, max_vocab: int = 300
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits [R, V] float32, top_k [R] in [1, V] (V: off), top_p [R] in (0, 1])."""
+    num_rows = draw(st.integers(1, 4))
+    vocab = draw(st.integers(1, max_vocab))
+    kind = draw(st.sampled_from(["normal", "peaked", "flat", "two levels"]))
+    scale = draw(st.sampled_from([0.01, 1.0, 4.0, 40.0]))
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**32 - 1)))
+    logits = torch.randn(num_rows, vocab, generator=generator) * scale
+    if kind == "peaked":
+        logits[:, 0] += 10.0
+    elif kind == "flat":
+        logits *= 1e-3
+    elif kind == "two levels":
+        logits = (logits > 0).float() * scale
+    if draw(st.booleans()):
+        logits = logits.bfloat16().float()  # many exact ties
+    top_p = st.one_of(st.floats(0.01, 1.0), st.just(1.0), st.floats(0.9, 0.9999))
+    top_k = st.one_of(st.just(vocab), st.integers(1, vocab))
+    return (
+        logits,
+        torch.tensor(draw(st.lists(top_k, min_size=num_rows, max_size=num_rows))),
+        torch.tensor(draw(st.lists(top_p, min_size=num_rows, max_size=num_rows))),
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=top_p_cases())
+def test_top_p_by_bisection_agrees_with_the_full_sort(
+    case: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> None:
+    logits, top_k, top_p = case
+    got = _top_p_by_bisection(_apply_top_k(logits, top_k, int(top_k.max())), top_p)
+    check_top_p(got, logits, top_k, top_p)
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=top_p_cases())
+def test_top_p_by_sort_for_cuda_agrees_with_the_exact_set(
+    case: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> None:
+    logits, top_k, top_p = case
+    got = _top_p_by_sort(_apply_top_k(logits, top_k, int(top_k.max())), top_p)
+    check_top_p(got, logits, top_k, top_p)
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=top_p_cases())
+def test_top_p_among_top_k_agrees_with_the_full_sort(
+    case: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> None:
+    logits, top_k, top_p = case
+    vocab = logits.shape[-1]
+    top_k = torch.where((top_k == vocab) & (top_p < 1.0), (vocab + 1) // 2, top_k)  # top-p sets k
+    set_k = top_k[top_k < vocab]  # as build: the largest top_k of the rows that set one
+    max_top_k = int(set_k.max()) if len(set_k) else vocab
+    check_top_p(_top_p_among_top_k(logits, top_k, max_top_k, top_p), logits, top_k, top_p)
+
+
+@pytest.mark.parametrize("kind", ["normal", "peaked", "bf16"])
+@pytest.mark.parametrize("vocab", [49152, 128256])
+def test_top_p_agrees_with_the_full_sort_over_a_real_vocabulary(kind: str, vocab: int) -> None:
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(vocab)) * 3
+    if kind == "peaked":
+        logits[:, 7] += 12.0
+    elif kind == "bf16":
+        logits = logits.bfloat16().float()
+    top_p = torch.tensor([0.5, 0.9, 0.999])
+    no_top_k = torch.full((3,), vocab)
+    got = _top_p_by_bisection(logits, top_p)
+    check_top_p(got, logits, no_top_k, top_p, tolerance=1e-3)
+    top_k = torch.tensor([1000, 40, 1000])
+    got = _top_p_among_top_k(logits, top_k, 1000, top_p)
+    check_top_p(got, logits, top_k, top_p, tolerance=1e-3)
+
+
+def test_top_p_uses_the_top_k_candidates_only_when_every_top_p_row_sets_top_k() -> None:
+    def top_p_rows_set_top_k(*rows: RequestSamplingState) -> bool:
+        random = build(list(rows), 100).random
+        assert random is not None
+        return random.top_p_rows_set_top_k
+
+    assert top_p_rows_set_top_k(state(top_k=5, top_p=0.9), state(top_k=3), state())
+    assert not top_p_rows_set_top_k(state(top_k=5, top_p=0.9), state(top_p=0.5))
+
+
+def test_top_p_by_bisection_separates_weights_one_float_apart() -> None:
+    # Two logits whose weights exp(logit - max) are adjacent float32, the larger with its
+    # lowest bit set: every bit of the threshold must be found to keep one and not the other.
+    logit = torch.tensor(-1.0)
+    while True:
+        below = torch.nextafter(logit, torch.tensor(-2.0))
+        weight, weight_below = logit.exp(), below.exp()
+        bits = int(weight.view(torch.int32))
+        if bits % 2 == 1 and bits - int(weight_below.view(torch.int32)) == 1:
+            break
+        logit = below
+    logits = torch.stack([torch.tensor(0.0), logit, below]).unsqueeze(0)
+    total = 1.0 + float(weight) + float(weight_below)
+    top_p = torch.tensor([(1.0 + float(weight) / 2) / total])  # reached by the first two only
+    kept = _top_p_by_bisection(logits, top_p) > -torch.inf
+    assert kept.tolist() == [[True, True, False]]

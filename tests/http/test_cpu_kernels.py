@@ -71,5 +71,6 @@ def test_bfloat16_serves_on_plain_linears_and_says_so(tiny_model: Path, tmp_path
         if line.startswith("trillm: kernels: ")
     ]
     assert logged == [
-        f"trillm: kernels: bfloat16 on cpu, linears aten ({kernels['isa']}; {reason})"
+        f"trillm: kernels: bfloat16 on cpu, linears aten ({kernels['isa']}; {reason}), "
+        "attention torch"
     ]

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._attention import AttentionMetadata, paged_attention
+from .._attention import StepAttention
 from .._failure import InjectedFault
 from .._layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from .._model_config import ModelConfig
@@ -58,7 +58,7 @@ class LlamaAttention(nn.Module):
         rope: Rope,
         hidden: torch.Tensor,
         kv_cache: KVCache,
-        meta: AttentionMetadata,
+        meta: StepAttention,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         qk_heads = self.num_heads + self.num_kv_heads
@@ -67,7 +67,7 @@ class LlamaAttention(nn.Module):
         )
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale)
         result: torch.Tensor = self.o_proj(out.flatten(1))
         return result
 
@@ -105,7 +105,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, tp, dtype)
 
     def forward(
-        self, rope: Rope, hidden: torch.Tensor, kv: KVCache, meta: AttentionMetadata
+        self, rope: Rope, hidden: torch.Tensor, kv: KVCache, meta: StepAttention
     ) -> torch.Tensor:
         hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv, meta)
         result: torch.Tensor = hidden + self.mlp(self.post_attention_layernorm(hidden))
@@ -157,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[KVCache],
-        meta: AttentionMetadata,
+        meta: StepAttention,
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] of this step's tokens."""
         if self.fail_next_forward:

@@ -1,0 +1,54 @@
+"""The decode-graph path on CPU: static, padded buffers give the eager path's tokens.
+
+Off CUDA `DecodeGraphs` records no graph but runs the forward over the same static buffers
+a graph would replay (padding rows with slot -1 and context 0), so what the graph sees is
+tested here; `test_cuda.py` replays real graphs on a GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trillm.gpu import WorkerConfig
+
+from .conftest import make_runner
+from .driver import Driver, DriverRequest
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_capture_sizes_are_vllms() -> None:
+    sizes = WorkerConfig("m", max_num_seqs=256).cuda_graph_sizes()
+    assert sizes[:5] == (1, 2, 4, 8, 16) and sizes[-1] == 256 and len(sizes) == 35
+    assert WorkerConfig("m", max_num_seqs=1000).cuda_graph_sizes()[-1] == 512
+    assert WorkerConfig("m", max_num_seqs=5).cuda_graph_sizes() == (1, 2, 4, 5)
+    assert WorkerConfig("m", enforce_eager=True).cuda_graph_sizes() == ()
+
+
+@pytest.mark.parametrize("num_requests", [3, 5])
+def test_padded_static_buffers_give_the_eager_tokens(
+    tiny_model_dir: Path, num_requests: int
+) -> None:
+    prompts = [list(range(60 + 7 * i, 60 + 7 * i + 3 + 5 * i)) for i in range(num_requests)]
+    runs = {}
+    for graphs in (False, True):
+        runner = make_runner(tiny_model_dir, attention_backend="triton", max_num_seqs=6)
+        if graphs:
+            line = runner.capture_cuda_graphs(off_cuda=True)
+            assert line.startswith("cuda graphs: 4 decode batch sizes (1, 2, 4, 6)")
+        requests = [DriverRequest(i, p, max_tokens=10) for i, p in enumerate(prompts)]
+        Driver(runner, 64).run(requests)
+        runs[graphs] = [r.output for r in requests]
+        if graphs:
+            assert runner.graphs is not None and runner.graphs.num_runs >= 9
+    assert runs[True] == runs[False]
+
+
+def test_graphs_need_the_triton_backend(tiny_model_dir: Path) -> None:
+    runner = make_runner(tiny_model_dir, attention_backend="torch")
+    assert "use --attention-backend triton" in runner.capture_cuda_graphs(off_cuda=True)
+    assert runner.graphs is None
+    eager = make_runner(tiny_model_dir, attention_backend="triton", enforce_eager=True)
+    assert eager.capture_cuda_graphs(off_cuda=True) == "cuda graphs: none (--enforce-eager)"
