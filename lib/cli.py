@@ -49,6 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--enforce-eager", action="store_true", help="no CUDA graphs: decode steps run eager"
     )
     serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    serve.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="engine processes, each with its own scheduler and KV cache (and TP group); "
+        "requests go by load, with prefix affinity",
+    )
     serve.add_argument("--max-model-len", type=int)
     serve.add_argument("--max-num-seqs", type=int, default=256)
     serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -208,6 +216,7 @@ def serve_main(args: argparse.Namespace) -> int:
         served_model_name=name,
         worker=worker,
         tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
         enable_prefix_caching=args.enable_prefix_caching,
         executor=args.executor,
         api_key=args.api_key,

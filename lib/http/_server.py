@@ -155,6 +155,7 @@ def build_config(
     tool_call_parser: str = "hermes",
     reasoning_parser: str | None = None,
     chat_template: str | None = None,
+    data_parallel_size: int = 1,
 ) -> ServerConfig:
     if engine_death_grace < 0:
         raise ValueError(f"--engine-death-grace must be >= 0 seconds, got {engine_death_grace}")
@@ -194,6 +195,7 @@ def build_config(
             watchdog_timeout=engine_watchdog_timeout,
             chat_template=chat_template,
             reasoning_parser=reasoning_parser,
+            data_parallel_size=data_parallel_size,
         ),
         engine_death_grace=engine_death_grace,
         keep_alive_on_engine_death=keep_alive_on_engine_death,

@@ -1,39 +1,42 @@
-"""`AsyncLLM`: the trio frontend's client of the engine process (DESIGN.md §8).
+"""`AsyncLLM`: the trio frontend's client of the engine processes (DESIGN.md §8).
 
-`open_llm` spawns the engine under supervision (trio process API, pidfd), waits for READY,
-and runs two tasks in its own nursery: the output pump (STEP records -> mailboxes) and the
-supervisor (the engine's exit -> every ring waiter breaks). Engine death, whether told by a
-DEAD record or seen as the process exit, fails every open request in one synchronous pass
-with an `EngineDeadError` naming the root cause; later calls raise it at once. A watchdog
-kills an engine whose heartbeat stopped (SIGSTOP: alive to the pidfd, dead to its clients).
+`open_llm` spawns the engine (or `data_parallel_size` engines) under supervision (pidfd),
+waits for READY, and runs each engine's tasks in its own nursery (`_engine_client`: the
+output pump, the supervisor, the watchdog). A request goes to one engine (`_router`: by
+load, with prefix affinity). An engine's death, told by a DEAD record, seen as the process
+exit or declared by the watchdog (SIGSTOP: alive to the pidfd, dead to its clients), fails
+that engine's open requests in one synchronous pass with an `EngineDeadError` naming the
+root cause (and the engine, under data parallelism); the others keep serving. Once every
+engine is dead, every later call raises it at once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
-import os
+import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import msgspec
-import numpy as np
 import trio
 
 from ..protocol import _messages as P
+from ..protocol._config import EngineConfig
 from ..protocol._errors import RemoteError
-from ..protocol._step_record import StepView
 from ._config import LLMConfig
 from ._detokenizer import IncrementalDetokenizer, StopChecker
-from ._errors import EngineDeadError, PromptTooLongError, RequestFailedError
-from ._launch import EngineStartError, spawn_engine
+from ._engine_client import EngineClient
+from ._errors import EngineDeadError, PromptTooLongError
 from ._output_processor import OutputProcessor, RequestState
 from ._outputs import Mailbox, Output
+from ._router import EngineRouter
 from ._sampling_params import SamplingParams
-from ._streams import RequestStream, load_tokenizer, prompt_logprobs_output
+from ._streams import RequestStream, load_tokenizer
 from ._structured import GrammarChecker, after_reasoning, build_ll_tokenizer
-from ._watchdog import not_responding_error, wait_heartbeat_stopped
 
 
 class AsyncLLM:
@@ -47,25 +50,25 @@ class AsyncLLM:
         self._backend: Any = None
         self._rnums = itertools.count(1)
         self._processor = OutputProcessor()
-        self._encoder = msgspec.msgpack.Encoder()
-        self._dead: EngineDeadError | None = None
+        self._dead: EngineDeadError | None = None  # set once every engine is dead
         self._died = trio.Event()
-        self._exit_error: RemoteError | None = None
-        self._send_lock = trio.StrictFIFOLock()  # one writer task at a time on the request ring
+        self.engines: list[EngineClient] = []
+        self.engine_errors: dict[int, EngineDeadError] = {}  # engine index -> why it died
+        self._router = EngineRouter(config.data_parallel_size, config.engine.worker.block_size)
         self.ready: P.Ready
 
     @property
     def errored(self) -> bool:
-        """True once the engine died; every later call raises `EngineDeadError`."""
+        """True once every engine died; every later call raises `EngineDeadError`."""
         return self._dead is not None
 
     @property
     def error(self) -> EngineDeadError | None:
-        """Why the engine died (what every later call raises), or None while it lives."""
+        """Why the (last) engine died (what every later call raises), or None while one lives."""
         return self._dead
 
     async def wait_dead(self) -> EngineDeadError:
-        """Wait until the engine died (or was shut down); return why."""
+        """Wait until every engine died (or was shut down); return why."""
         await self._died.wait()
         assert self._dead is not None
         return self._dead
@@ -104,23 +107,34 @@ class AsyncLLM:
         token_ids = self.tokenize(prompt)
         max_tokens = self.check_length(len(token_ids), params)
         grammar = await self.check_structured(params)
+        self._check_alive()
+        engine = self.engines[self._router.choose(token_ids)]
         mailbox = Mailbox()
         states = [self._new_state(mailbox, i, token_ids, params) for i in range(params.n)]
         for state in states:
+            state.engine = engine.index
             self._processor.states[state.rnum] = state
+        self._router.loads[engine.index] += params.n
         try:
             for state in states:
                 options = params.child_options(state.index, vocab_size=self.ready.vocab_size)
-                await self._send_add(state.rnum, options, max_tokens, token_ids, grammar)
+                try:
+                    await engine.send_add(state.rnum, options, max_tokens, token_ids, grammar)
+                except trio.BrokenResourceError:
+                    self._raise_engine_error(engine)
+                    raise
             self._processor.stats.prompt_tokens += len(token_ids) * params.n
             yield RequestStream(mailbox, params.n)
         finally:
+            self._router.loads[engine.index] -= params.n
             unfinished = [s.rnum for s in states if not s.finished]
             for rnum in unfinished:
                 self._processor.states.pop(rnum, None)
-            if unfinished and self._dead is None:
-                with trio.CancelScope(shield=True):
-                    await self._send_abort(unfinished)
+            if unfinished and not engine.dead:
+                # it may die meanwhile: its requests are gone with it
+                gone = (trio.BrokenResourceError, trio.ClosedResourceError)
+                with trio.CancelScope(shield=True), contextlib.suppress(*gone):
+                    await engine.send_abort(unfinished)
 
     async def complete(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None
@@ -236,48 +250,32 @@ class AsyncLLM:
             grammar = after_reasoning(grammar, self.config.reasoning_parser)
         return grammar
 
-    async def _send_add(
-        self, rnum: int, options: Any, max_tokens: int, ids: list[int], grammar: str = ""
-    ) -> None:
-        add = P.AddHeader(rnum, options, max_tokens, time.time(), grammar)
-        header = self._encoder.encode(add)
-        offset, size = P.add_size(header, len(ids))
-        async with self._send_lock:
-            view = await self._reserve(size)
-            P.pack_add(view, header, offset)
-            view[offset:size] = np.asarray(ids, "<i4").view(np.uint8).data
-            self._requests.commit(P.ADD)
-
-    async def _send(self, kind: int, data: bytes) -> None:
-        async with self._send_lock:
-            view = await self._reserve(len(data))
-            view[:] = data
-            self._requests.commit(kind)
-
-    async def _send_abort(self, rnums: list[int]) -> None:
-        await self._send(P.ABORT, np.asarray(rnums, "<u8").tobytes())
-
-    async def _reserve(self, size: int) -> memoryview:
-        """Room in the request ring (the caller holds `_send_lock`: one waiter at a time)."""
-        try:
-            return await self._requests.reserve_async(size)
-        except trio.BrokenResourceError:
-            self._check_alive()
-            raise
-
-    async def utility(self, method: str) -> object:
-        """Call an allow-listed engine utility (reset_prefix_cache, stats, ping)."""
+    async def utility(self, method: str, engine: int | None = None) -> object:
+        """Call an allow-listed engine utility (reset_prefix_cache, stats, ping) on `engine`
+        (default: the first live one)."""
         self._check_alive()
-        call_id = next(self._rnums)
-        event = trio.Event()
-        self._utility_waiters[call_id] = (event, [])
-        await self._send(P.UTILITY, self._encoder.encode(P.UtilityCall(call_id, method)))
-        await event.wait()
-        self._check_alive()
-        ok, result = self._utility_waiters.pop(call_id)[1]
+        target = self._live_engine(engine)
+        ok, result = await target.utility(next(self._rnums), method)
+        if target.dead:
+            self._raise_engine_error(target)
         if not ok:
             raise ValueError(str(result))
         return result
+
+    def live_engines(self) -> list[int]:
+        """Indexes of the engines still alive."""
+        return [e.index for e in self.engines if not e.dead]
+
+    def _live_engine(self, index: int | None) -> EngineClient:
+        if index is not None:
+            engine = self.engines[index]
+            self._raise_engine_error(engine)
+            return engine
+        return next(e for e in self.engines if not e.dead)
+
+    def _raise_engine_error(self, engine: EngineClient) -> None:
+        if engine.index in self.engine_errors:
+            raise self.engine_errors[engine.index]
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -285,17 +283,32 @@ class AsyncLLM:
 
     # -- life ----------------------------------------------------------------------------
 
+    def _engine_configs(self) -> list[EngineConfig]:
+        """One config per data-parallel engine: on CUDA each takes the next TP-size GPUs."""
+        engine = self.config.engine
+        worker = engine.worker
+        size = self.config.data_parallel_size
+        if size == 1 or not worker.device.startswith("cuda"):
+            return [engine] * size
+        base = int(worker.device.partition(":")[2] or 0)
+        step = engine.tensor_parallel_size
+        return [
+            msgspec.structs.replace(
+                engine,
+                worker=dataclasses.replace(worker, device=f"cuda:{base + i * step}"),
+            )
+            for i in range(size)
+        ]
+
     async def _start(self, nursery: trio.Nursery) -> None:
-        self._utility_waiters: dict[int, tuple[trio.Event, list[Any]]] = {}
-        # `spawn_engine` forks from this thread, not a trio worker thread as
-        # `trio.lowlevel.open_process` would: the engine's parent-death signal follows the
-        # forking *thread*, which trio reaps when idle (the engine was SIGKILLed ~10 s in).
-        self._process, self._requests, self._outputs = spawn_engine(self.config.engine)
-        self._pidfd = os.pidfd_open(self._process.pid)
-        self._exited = trio.Event()
-        nursery.start_soon(self._supervise)
+        configs = self._engine_configs()
+        for i, config in enumerate(configs):
+            name = "engine" if len(configs) == 1 else f"engine {i}"
+            engine = EngineClient(i, name, config, self._processor, self._on_engine_death)
+            self.engines.append(engine)
+            engine.spawn(nursery)
         tokenizer_error: BaseException | None = None
-        try:  # while the engine loads its weights
+        try:  # while the engines load their weights
             self.tokenizer = await trio.to_thread.run_sync(load_tokenizer, self._tokenizer_path())
             if self.config.chat_template is not None:
                 with open(self.config.chat_template) as f:
@@ -303,141 +316,37 @@ class AsyncLLM:
             self._backend = self.tokenizer.backend_tokenizer
         except Exception as exc:  # the engine's own error, if any, says more: report it first
             tokenizer_error = exc
-        with trio.move_on_after(self.config.start_timeout) as scope:
-            try:
-                await self._requests.wait_attached_async()
-                await self._outputs.wait_attached_async()
-                kind, payload = await self._outputs.peek_async()
-            except trio.BrokenResourceError:
-                kind, payload = await self._last_words()
-            data = bytes(payload)
-            self._outputs.release()
-        if scope.cancelled_caught:
-            raise EngineStartError(
-                RemoteError("engine", "TimeoutError", f"not ready in {self.config.start_timeout} s")
-            )
-        if kind == P.DEAD:
-            raise EngineStartError(msgspec.msgpack.decode(data, type=RemoteError))
-        if kind != P.READY:
-            raise EngineStartError(RemoteError("engine", "ProtocolError", f"record kind {kind}"))
-        self.ready = msgspec.msgpack.decode(data, type=P.Ready)
+        deadline = trio.current_time() + self.config.start_timeout
+        for engine in self.engines:
+            await engine.wait_ready(max(0.0, deadline - trio.current_time()))
+        self.ready = self.engines[0].ready
         if tokenizer_error is not None:
             raise tokenizer_error
-        nursery.start_soon(self._pump)
-        if self.config.watchdog_timeout:
-            nursery.start_soon(self._watchdog)
+        for engine in self.engines:
+            engine.start_tasks(nursery, self.config.watchdog_timeout)
 
     def _tokenizer_path(self) -> str:
         return self.config.tokenizer or self.config.engine.worker.model
 
-    async def _last_words(self) -> tuple[int, memoryview]:
-        """After the engine exited: its DEAD record if it wrote one, else its exit."""
-        try:
-            record = self._outputs.try_peek()
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            record = None  # it wrote nothing before it died
-        if record is not None:
-            return record
-        error = self._exit_error or RemoteError("engine", "RuntimeError", "exited")
-        raise EngineStartError(error)
-
-    async def _supervise(self) -> None:
-        """Wait for the engine process to exit (its pidfd); then every ring waiter breaks."""
-        try:
-            await trio.lowlevel.wait_readable(self._pidfd)
-        except trio.ClosedResourceError:
-            return  # `_shutdown` closed the pidfd: nothing is left to supervise
-        code = self._process.wait()  # it exited: this reaps it at once
-        self._exited.set()
-        self._exit_error = (
-            RemoteError("engine", signal=-code)
-            if code < 0
-            else RemoteError("engine", exit_code=code)
-        )
-        reason = "the engine process " + (
-            f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        )
-        for ring in (self._requests, self._outputs):
-            ring.declare_peer_dead(reason)
-
-    async def _pump(self) -> None:
-        """Read every output-ring record; one pass per STEP; ends with the engine."""
-        reader = self._outputs
-        processor = self._processor
-        while True:
-            try:
-                kind, payload = await reader.peek_async()
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                self._die(self._exit_error or RemoteError("engine", exit_code=None))
-                return
-            if kind == P.STEP:
-                to_abort = processor.process_step(StepView(payload))
-                reader.release()
-                if to_abort:
-                    await self._send_abort(to_abort)
-            elif kind == P.EVENT:
-                self._event(msgspec.msgpack.decode(payload, type=P.Event))
-                reader.release()
-            elif kind == P.DEAD:
-                error = msgspec.msgpack.decode(payload, type=RemoteError)
-                reader.release()
-                self._die(error)
-                return
-            else:
-                reader.release()
-
-    async def _watchdog(self) -> None:
-        """Declare the engine dead, and kill it, when its heartbeat stops (`_heartbeat`)."""
-        timeout = self.config.watchdog_timeout
-        still = await wait_heartbeat_stopped(self._outputs, timeout)
-        if self._dead is not None or self._exited.is_set():
-            return  # it died or exited anyway: the supervisor tells how
-        self._die(not_responding_error(self._process.pid, still, timeout))
-        self._process.kill()  # the supervisor reaps it; its workers die with it
-
-    def _event(self, event: P.Event) -> None:
-        if event.kind == "prompt_logprobs":
-            state = self._processor.states.get(event.rnum)
-            if state is not None and state.mailbox.put(prompt_logprobs_output(state, event)):
-                state.mailbox.wake()
-        elif event.kind == "request_error":  # this request alone failed in the engine
-            state = self._processor.states.pop(event.rnum, None)
-            if state is not None and state.mailbox.fail(RequestFailedError(str(event.result))):
-                state.mailbox.wake()
-        elif event.kind == "utility_result":
-            waiter = self._utility_waiters.get(event.call_id)
-            if waiter is not None:
-                waiter[1].extend((event.ok, event.result))
-                waiter[0].set()
-
-    def _die(self, error: RemoteError) -> None:
-        if self._dead is not None:
-            return
-        self._dead = EngineDeadError(error)
-        self._processor.fail_all(self._dead)
-        for event, _ in self._utility_waiters.values():
-            event.set()
-        self._died.set()
+    def _on_engine_death(self, engine: EngineClient, error: RemoteError) -> None:
+        """Fail that engine's requests (one pass); once none is left, everything fails."""
+        dead = EngineDeadError(error)
+        self.engine_errors[engine.index] = dead
+        self._router.engine_died(engine.index)
+        self._processor.fail_engine(engine.index, dead)
+        live = self.live_engines()
+        if live and error.exc_type != "EngineShutdown":
+            print(f"trillm: {dead}; engines {live} keep serving", file=sys.stderr, flush=True)
+        if not live and self._dead is None:
+            self._dead = dead
+            self._died.set()
 
     async def _shutdown(self) -> None:
-        """Drain the engine (bounded), then make sure it is gone and the rings are closed."""
-        with trio.CancelScope(shield=True):
-            if self._dead is None and self._process.poll() is None:
-                data = self._encoder.encode(P.Shutdown("drain", self.config.shutdown_timeout))
-                view = self._requests.try_reserve(len(data))
-                if view is not None:
-                    view[:] = data
-                    self._requests.commit(P.SHUTDOWN)
-            with trio.move_on_after(self.config.shutdown_timeout + 5):
-                await self._exited.wait()
-            if self._process.poll() is None:
-                self._process.kill()
-            self._process.wait()
-            trio.lowlevel.notify_closing(self._pidfd)
-            os.close(self._pidfd)
-            self._die(RemoteError("engine", "EngineShutdown", "the engine was shut down"))
-            self._requests.close()
-            self._outputs.close()
+        """Drain every engine (bounded, together), then make sure they are gone."""
+        async with trio.open_nursery() as nursery:
+            for engine in self.engines:
+                if hasattr(engine, "process"):
+                    nursery.start_soon(engine.shutdown, self.config.shutdown_timeout)
 
 
 @asynccontextmanager
@@ -455,7 +364,7 @@ async def open_llm(config: LLMConfig) -> AsyncIterator[AsyncLLM]:
                 await llm._start(nursery)
                 yield llm
             finally:
-                if hasattr(llm, "_process"):
+                with trio.CancelScope(shield=True):
                     await llm._shutdown()
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:  # one error (ours or the caller's): raise it as is

@@ -23,8 +23,12 @@ class LLMConfig:
     shutdown_timeout: float = 30.0
     # Seconds without the engine's heartbeat before it is declared dead and killed (0: never).
     watchdog_timeout: float = 30.0
+    # Engine processes, each with its own rings, scheduler, KV cache (and TP group).
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.watchdog_timeout != 0 and self.watchdog_timeout < MIN_WATCHDOG_TIMEOUT:
             raise ValueError(
                 f"the engine watchdog timeout must be 0 (off) or at least "

@@ -34,6 +34,7 @@ class RequestState:
     last_token_time: float | None = None
     finished: bool = False
     token_ids: list[int] = field(default_factory=list)
+    engine: int = 0  # the data-parallel engine it runs on
 
 
 @dataclass(slots=True)
@@ -140,6 +141,15 @@ class OutputProcessor:
                 )
             out.append(TokenLogprob(int(view.tokens[t]), logprob, top))
         return out
+
+    def fail_engine(self, engine: int, error: BaseException) -> None:
+        """Every open request of `engine` raises `error`: one pass, then the wake-ups."""
+        failed = [s for s in self.states.values() if s.engine == engine]
+        to_wake = [s.mailbox for s in failed if s.mailbox.fail(error)]
+        for state in failed:
+            del self.states[state.rnum]
+        for mailbox in to_wake:
+            mailbox.wake()
 
     def fail_all(self, error: BaseException) -> None:
         """Every open request raises `error`: one synchronous pass, then the wake-ups."""

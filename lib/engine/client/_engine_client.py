@@ -1,0 +1,259 @@
+"""One engine process as the frontend sees it: its rings, supervisor, output pump, watchdog.
+
+`AsyncLLM` holds one `EngineClient` per data-parallel engine. Each owns its process (spawned
+from the frontend's thread, watched through a pidfd), its request ring (one writer task at a
+time) and its output ring, read by its own pump task: the engines' steps are independent, so
+a pump each keeps one engine's slow step from delaying another's tokens, and an engine's
+death ends exactly its own pump. The pumps share the frontend's `OutputProcessor` (request
+numbers are unique across engines). Death, told by a DEAD record, seen as the process exit
+or declared by the watchdog, is reported once to `on_death` with the root cause.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import numpy as np
+import trio
+
+from ..protocol import _messages as P
+from ..protocol._config import EngineConfig
+from ..protocol._errors import RemoteError
+from ..protocol._step_record import StepView
+from ._errors import RequestFailedError
+from ._launch import EngineStartError, spawn_engine
+from ._output_processor import OutputProcessor
+from ._streams import prompt_logprobs_output
+from ._watchdog import not_responding_error, wait_heartbeat_stopped
+
+
+class EngineClient:
+    """Engine `index` of the frontend's engines; `name` is how errors call it."""
+
+    def __init__(
+        self,
+        index: int,
+        name: str,
+        config: EngineConfig,
+        processor: OutputProcessor,
+        on_death: Callable[[EngineClient, RemoteError], None],
+    ) -> None:
+        self.index = index
+        self.name = name
+        self.config = config
+        self.processor = processor
+        self.on_death = on_death
+        self.dead = False
+        self.ready: P.Ready
+        self._encoder = msgspec.msgpack.Encoder()
+        self._send_lock = trio.StrictFIFOLock()
+        self._utility_waiters: dict[int, tuple[trio.Event, list[Any]]] = {}
+        self._exit_error: RemoteError | None = None
+        self._exited = trio.Event()
+        self._watchdog_scope = trio.CancelScope()  # cancelled at death: the rings may close
+
+    def named(self, error: RemoteError) -> RemoteError:
+        """The cause with this engine's name in it ("engine 1", "worker rank 1 of engine 1")."""
+        if self.name == "engine" or self.name in error.where:
+            return error
+        where = self.name if error.where == "engine" else f"{error.where} of {self.name}"
+        return msgspec.structs.replace(error, where=where)
+
+    # -- start -----------------------------------------------------------------------------
+
+    def spawn(self, nursery: trio.Nursery) -> None:
+        # `spawn_engine` forks from this thread, not a trio worker thread as
+        # `trio.lowlevel.open_process` would: the engine's parent-death signal follows the
+        # forking *thread*, which trio reaps when idle (the engine was SIGKILLed ~10 s in).
+        self.process, self.requests, self.outputs = spawn_engine(self.config)
+        self._pidfd = os.pidfd_open(self.process.pid)
+        nursery.start_soon(self._supervise)
+
+    async def wait_ready(self, timeout: float) -> P.Ready:
+        """READY from the engine, or `EngineStartError` with its cause (named)."""
+        with trio.move_on_after(timeout) as scope:
+            try:
+                await self.requests.wait_attached_async()
+                await self.outputs.wait_attached_async()
+                kind, payload = await self.outputs.peek_async()
+            except trio.BrokenResourceError:
+                kind, payload = await self._last_words()
+            data = bytes(payload)
+            self.outputs.release()
+        if scope.cancelled_caught:
+            raise EngineStartError(
+                self.named(RemoteError("engine", "TimeoutError", f"not ready in {timeout} s"))
+            )
+        if kind == P.DEAD:
+            raise EngineStartError(self.named(msgspec.msgpack.decode(data, type=RemoteError)))
+        if kind != P.READY:
+            raise EngineStartError(
+                self.named(RemoteError("engine", "ProtocolError", f"record kind {kind}"))
+            )
+        self.ready = msgspec.msgpack.decode(data, type=P.Ready)
+        return self.ready
+
+    def start_tasks(self, nursery: trio.Nursery, watchdog_timeout: float) -> None:
+        nursery.start_soon(self._pump)
+        if watchdog_timeout:
+            nursery.start_soon(self._watchdog, watchdog_timeout)
+
+    async def _last_words(self) -> tuple[int, memoryview]:
+        """After the engine exited: its DEAD record if it wrote one, else its exit."""
+        try:
+            record = self.outputs.try_peek()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            record = None  # it wrote nothing before it died
+        if record is not None:
+            return record
+        error = self._exit_error or RemoteError("engine", "RuntimeError", "exited")
+        raise EngineStartError(self.named(error))
+
+    # -- sending ---------------------------------------------------------------------------
+
+    async def send_add(
+        self, rnum: int, options: Any, max_tokens: int, ids: list[int], grammar: str = ""
+    ) -> None:
+        add = P.AddHeader(rnum, options, max_tokens, time.time(), grammar)
+        header = self._encoder.encode(add)
+        offset, size = P.add_size(header, len(ids))
+        async with self._send_lock:
+            view = await self._reserve(size)
+            P.pack_add(view, header, offset)
+            view[offset:size] = np.asarray(ids, "<i4").view(np.uint8).data
+            self.requests.commit(P.ADD)
+
+    async def send(self, kind: int, data: bytes) -> None:
+        async with self._send_lock:
+            view = await self._reserve(len(data))
+            view[:] = data
+            self.requests.commit(kind)
+
+    async def send_abort(self, rnums: list[int]) -> None:
+        await self.send(P.ABORT, np.asarray(rnums, "<u8").tobytes())
+
+    async def _reserve(self, size: int) -> memoryview:
+        """Room in the request ring (the caller holds `_send_lock`: one waiter at a time)."""
+        return await self.requests.reserve_async(size)
+
+    async def utility(self, call_id: int, method: str) -> tuple[bool, object]:
+        """(ok, result) of an engine utility; (False, None) when the engine died meanwhile."""
+        event = trio.Event()
+        self._utility_waiters[call_id] = (event, [])
+        try:
+            await self.send(P.UTILITY, self._encoder.encode(P.UtilityCall(call_id, method)))
+            await event.wait()
+        finally:
+            result = self._utility_waiters.pop(call_id)[1]
+        return (bool(result[0]), result[1]) if result else (False, None)
+
+    # -- life ------------------------------------------------------------------------------
+
+    async def _supervise(self) -> None:
+        """Wait for the engine process to exit (its pidfd); then every ring waiter breaks."""
+        try:
+            await trio.lowlevel.wait_readable(self._pidfd)
+        except trio.ClosedResourceError:
+            return  # `shutdown` closed the pidfd: nothing is left to supervise
+        code = self.process.wait()  # it exited: this reaps it at once
+        self._exited.set()
+        self._exit_error = (
+            RemoteError("engine", signal=-code)
+            if code < 0
+            else RemoteError("engine", exit_code=code)
+        )
+        reason = f"the {self.name} process " + (
+            f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        )
+        for ring in (self.requests, self.outputs):
+            ring.declare_peer_dead(reason)
+
+    async def _pump(self) -> None:
+        """Read every output-ring record; one pass per STEP; ends with the engine."""
+        reader = self.outputs
+        processor = self.processor
+        while True:
+            try:
+                kind, payload = await reader.peek_async()
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self.die(self._exit_error or RemoteError("engine", exit_code=None))
+                return
+            if kind == P.STEP:
+                to_abort = processor.process_step(StepView(payload))
+                reader.release()
+                if to_abort:
+                    # if it died, the next peek says how
+                    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                        await self.send_abort(to_abort)
+            elif kind == P.EVENT:
+                self._event(msgspec.msgpack.decode(payload, type=P.Event))
+                reader.release()
+            elif kind == P.DEAD:
+                error = msgspec.msgpack.decode(payload, type=RemoteError)
+                reader.release()
+                self.die(error)
+                return
+            else:
+                reader.release()
+
+    async def _watchdog(self, timeout: float) -> None:
+        """Declare the engine dead, and kill it, when its heartbeat stops (`_heartbeat`)."""
+        with self._watchdog_scope:
+            still = await wait_heartbeat_stopped(self.outputs, timeout)
+        if self._watchdog_scope.cancelled_caught:
+            return
+        if self.dead or self._exited.is_set():
+            return  # it died or exited anyway: the supervisor tells how
+        self.die(not_responding_error(self.process.pid, still, timeout))
+        self.process.kill()  # the supervisor reaps it; its workers die with it
+
+    def _event(self, event: P.Event) -> None:
+        states = self.processor.states
+        if event.kind == "prompt_logprobs":
+            state = states.get(event.rnum)
+            if state is not None and state.mailbox.put(prompt_logprobs_output(state, event)):
+                state.mailbox.wake()
+        elif event.kind == "request_error":  # this request alone failed in the engine
+            state = states.pop(event.rnum, None)
+            if state is not None and state.mailbox.fail(RequestFailedError(str(event.result))):
+                state.mailbox.wake()
+        elif event.kind == "utility_result":
+            waiter = self._utility_waiters.get(event.call_id)
+            if waiter is not None:
+                waiter[1].extend((event.ok, event.result))
+                waiter[0].set()
+
+    def die(self, error: RemoteError) -> None:
+        """Report the death once (named); wake every utility caller."""
+        if self.dead:
+            return
+        self.dead = True
+        self._watchdog_scope.cancel()
+        for event, _ in self._utility_waiters.values():
+            event.set()
+        self.on_death(self, self.named(error))
+
+    async def shutdown(self, timeout: float) -> None:
+        """Drain the engine (bounded), then make sure it is gone and the rings are closed."""
+        with trio.CancelScope(shield=True):
+            if not self.dead and self.process.poll() is None:
+                data = self._encoder.encode(P.Shutdown("drain", timeout))
+                view = self.requests.try_reserve(len(data))
+                if view is not None:
+                    view[:] = data
+                    self.requests.commit(P.SHUTDOWN)
+            with trio.move_on_after(timeout + 5):
+                await self._exited.wait()
+            if self.process.poll() is None:
+                self.process.kill()
+            self.process.wait()
+            trio.lowlevel.notify_closing(self._pidfd)
+            os.close(self._pidfd)
+            self.die(RemoteError("engine", "EngineShutdown", "the engine was shut down"))
+            self.requests.close()
+            self.outputs.close()

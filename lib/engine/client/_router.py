@@ -1,0 +1,65 @@
+"""Which engine a request goes to, under data parallelism: by load, with prefix affinity.
+
+Each engine has its own KV cache, so a prompt is cheapest on the engine that already holds
+its prefix. The frontend cannot see the engines' caches, but it saw every prompt it routed:
+it remembers, for block-aligned prefixes of 1, 2, 4, ... 32 blocks (LRU, bounded), which
+engine last took them. A request goes to the engine of its longest remembered prefix unless
+that engine is busier than the least-loaded one by more than `slack` requests; otherwise to
+the least-loaded live engine (the lowest index on ties). Load is the requests (children)
+routed to an engine and not yet ended, counted here: no round trip to the engines.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+MAX_PREFIXES = 1 << 14
+PREFIX_BLOCKS = (32, 16, 8, 4, 2, 1)  # longest first
+
+
+class EngineRouter:
+    """Load and prefix bookkeeping for `num_engines` engines."""
+
+    def __init__(self, num_engines: int, block_size: int, *, slack: int = 8) -> None:
+        self.loads = [0] * num_engines
+        self.alive = [True] * num_engines
+        self.block_size = block_size
+        self.slack = slack
+        self._prefixes: OrderedDict[tuple[int, int], int] = OrderedDict()
+
+    def _keys(self, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """(length, hash) of each block-aligned prefix short of the whole prompt."""
+        usable = (len(token_ids) - 1) // self.block_size  # the last token is always computed
+        keys = []
+        for blocks in PREFIX_BLOCKS:
+            if blocks <= usable:
+                n = blocks * self.block_size
+                keys.append((n, hash(tuple(token_ids[:n]))))
+        return keys
+
+    def choose(self, token_ids: Sequence[int]) -> int:
+        """The engine for a prompt; raises LookupError when no engine is alive."""
+        live = [i for i, ok in enumerate(self.alive) if ok]
+        if not live:
+            raise LookupError("no engine is alive")
+        least = min(live, key=lambda i: self.loads[i])
+        keys = self._keys(token_ids)
+        chosen = least
+        for key in keys:
+            engine = self._prefixes.get(key)
+            if engine is not None and self.alive[engine]:
+                if self.loads[engine] <= self.loads[least] + self.slack:
+                    chosen = engine
+                break
+        for key in keys:
+            self._prefixes[key] = chosen
+            self._prefixes.move_to_end(key)
+        while len(self._prefixes) > MAX_PREFIXES:
+            self._prefixes.popitem(last=False)
+        return chosen
+
+    def engine_died(self, engine: int) -> None:
+        self.alive[engine] = False
+        for key in [k for k, e in self._prefixes.items() if e == engine]:
+            del self._prefixes[key]
