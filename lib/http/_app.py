@@ -8,6 +8,7 @@ are OpenAI error objects; engine death becomes a 503 (or an error event in a str
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 from collections.abc import Awaitable, Callable, Iterator
@@ -185,15 +186,27 @@ class App:
     async def _metrics(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
         if not self.llm.errored:
             with trio.move_on_after(2):
-                stats = await self.llm.utility("stats")
-                if isinstance(stats, dict):
-                    self.metrics.set_engine_stats(stats)
+                async with trio.open_nursery() as nursery:
+                    for engine in range(len(self.llm.engines)):
+                        nursery.start_soon(self._engine_stats, engine)
         self.metrics.set_frontend_state(
             in_flight=self.generation.inflight, request_states=self.llm.num_request_states
         )
         headers = [(b"content-type", self.metrics.content_type.encode()), *extra]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": self.metrics.render()})
+
+    async def _engine_stats(self, engine: int) -> None:
+        """One engine's stats into the metrics (a dead one's load reads 0)."""
+        if engine not in self.llm.live_engines():
+            self.metrics.engine_gone(engine)
+            return
+        with contextlib.suppress(EngineDeadError):
+            stats = await self.llm.utility("stats", engine=engine)
+            if isinstance(stats, dict):
+                self.metrics.set_engine_stats(stats, engine)
+                return
+        self.metrics.engine_gone(engine)
 
     async def _tokenize(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
         request = decode_request(await self._read_body(scope, receive), TokenizeRequest)

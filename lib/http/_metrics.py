@@ -1,5 +1,10 @@
 """Prometheus metrics of the server, named as vLLM's (`vllm:` becomes `trillm:`).
 
+The vLLM-named ones are exposed a second time, always, under vLLM's own prefix
+(`vllm:num_requests_waiting` and the rest, `_metrics_vllm.py`): routers and endpoint pickers
+built for vLLM read a replica's load under those names. The aliases are renamed at scrape time
+from the same children, so both names always show the same values (docs/deploy.md).
+
 The metrics live in a registry of their own, not prometheus_client's global one, so two
 servers in one process (tests) never collide and `/metrics` shows nothing else. Counters are
 created without the `_total` suffix, which prometheus_client appends on exposure:
@@ -19,6 +24,8 @@ from collections.abc import Iterable, Mapping
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
+from ._metrics_vllm import VllmAliases
+
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 
@@ -37,16 +44,20 @@ REQUEST_LATENCY_BUCKETS = (
 )
 
 _LABELS = ("model_name",)
+# What the engines report carries their index too, as vLLM's metrics do (`engine="0"`).
+_ENGINE_LABELS = ("model_name", "engine")
 
 
 class Metrics:
     """The server's metrics for one model; `render()` is the body of `/metrics`."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, num_engines: int = 1) -> None:
+        """`num_engines`: the data-parallel engines whose stats `set_engine_stats` takes."""
+        self.num_engines = num_engines
         self.registry = CollectorRegistry(auto_describe=True)
         self.content_type = CONTENT_TYPE
         self.model_name = model_name
-        self._last_engine_counters: dict[str, int] = {}
+        self._last_engine_counters: dict[tuple[int, str], int] = {}
         r = self.registry
 
         def histogram(name: str, doc: str, buckets: Iterable[float]) -> Histogram:
@@ -69,21 +80,24 @@ class Metrics:
             REQUEST_LATENCY_BUCKETS,
         )
         self.num_requests_running = Gauge(
-            "trillm:num_requests_running", "Requests being generated.", _LABELS, registry=r
+            "trillm:num_requests_running", "Requests being generated.", _ENGINE_LABELS, registry=r
         )
         self.num_requests_waiting = Gauge(
-            "trillm:num_requests_waiting", "Requests waiting to be scheduled.", _LABELS, registry=r
+            "trillm:num_requests_waiting",
+            "Requests waiting to be scheduled.",
+            _ENGINE_LABELS,
+            registry=r,
         )
         self.kv_cache_usage = Gauge(
             "trillm:kv_cache_usage_perc",
             "KV-cache usage; 1 means 100 percent.",
-            _LABELS,
+            _ENGINE_LABELS,
             registry=r,
         )
         self.kv_cache_free_blocks = Gauge(
             "trillm:kv_cache_free_blocks",
             "KV-cache blocks no request holds (cached prefix blocks included).",
-            _LABELS,
+            _ENGINE_LABELS,
             registry=r,
         )
         self.http_requests_in_flight = Gauge(
@@ -99,16 +113,28 @@ class Metrics:
             registry=r,
         )
         self.prefix_cache_queries = Counter(
-            "trillm:prefix_cache_queries", "Prefix-cache queries, in tokens.", _LABELS, registry=r
+            "trillm:prefix_cache_queries",
+            "Prefix-cache queries, in tokens.",
+            _ENGINE_LABELS,
+            registry=r,
         )
         self.prefix_cache_hits = Counter(
-            "trillm:prefix_cache_hits", "Prefix-cache hits, in tokens.", _LABELS, registry=r
+            "trillm:prefix_cache_hits", "Prefix-cache hits, in tokens.", _ENGINE_LABELS, registry=r
         )
         self.prompt_tokens = Counter(
             "trillm:prompt_tokens", "Prefill tokens processed.", _LABELS, registry=r
         )
+        self.num_preemptions = Counter(
+            "trillm:num_preemptions",
+            "Requests preempted (their blocks freed, recomputed later).",
+            _ENGINE_LABELS,
+            registry=r,
+        )
         self.engine_steps = Counter(
-            "trillm:engine_steps", "Engine steps (scheduler iterations) run.", _LABELS, registry=r
+            "trillm:engine_steps",
+            "Engine steps (scheduler iterations) run.",
+            _ENGINE_LABELS,
+            registry=r,
         )
         self.generation_tokens = Counter(
             "trillm:generation_tokens", "Generation tokens produced.", _LABELS, registry=r
@@ -117,6 +143,14 @@ class Metrics:
             "trillm:request_success",
             "Finished requests, by finish reason.",
             (*_LABELS, "finished_reason"),
+            registry=r,
+        )
+        # vLLM's info gauge (value 1), read by llm-d's endpoint picker for the block size and
+        # the KV cache's size; no series until the server knows them (`set_cache_config`).
+        self.cache_config = Gauge(
+            "trillm:cache_config_info",
+            "The KV cache's configuration.",
+            (*_LABELS, "block_size", "num_gpu_blocks"),
             registry=r,
         )
         self.kernel = Info(
@@ -128,8 +162,12 @@ class Metrics:
         # Children made now, so every series is scraped (at zero) before its first event.
         for metric in self._per_model:
             metric.labels(model_name)
+        for metric in self._per_engine:
+            for engine in range(num_engines):
+                metric.labels(model_name, str(engine))
         for reason in FINISHED_REASONS:
             self.request_success.labels(model_name, reason)
+        r.register(VllmAliases(self._vllm_named))
 
     @property
     def _per_model(self) -> tuple[Histogram | Gauge | Counter, ...]:
@@ -138,16 +176,43 @@ class Metrics:
             self.inter_token_latency,
             self.e2e_request_latency,
             self.request_queue_time,
+            self.http_requests_in_flight,
+            self.frontend_request_states,
+            self.prompt_tokens,
+            self.generation_tokens,
+        )
+
+    @property
+    def _per_engine(self) -> tuple[Gauge | Counter, ...]:
+        return (
             self.num_requests_running,
             self.num_requests_waiting,
             self.kv_cache_usage,
             self.kv_cache_free_blocks,
-            self.http_requests_in_flight,
-            self.frontend_request_states,
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
+            self.num_preemptions,
+            self.engine_steps,
+        )
+
+    @property
+    def _vllm_named(self) -> tuple[Histogram | Gauge | Counter, ...]:
+        """Ours that vLLM has too, by the same name: exposed again as `vllm:*`."""
+        return (
+            self.time_to_first_token,
+            self.inter_token_latency,
+            self.e2e_request_latency,
+            self.request_queue_time,
+            self.num_requests_running,
+            self.num_requests_waiting,
+            self.kv_cache_usage,
             self.prefix_cache_queries,
             self.prefix_cache_hits,
             self.prompt_tokens,
             self.generation_tokens,
+            self.request_success,
+            self.num_preemptions,
+            self.cache_config,
         )
 
     def observe_request(
@@ -194,15 +259,21 @@ class Metrics:
         """Expose the engine's kernel choice as `trillm:kernel_info{device=..., ...} 1`."""
         self.kernel.labels(self.model_name).info(dict(kernels))
 
-    def set_engine_stats(self, stats: Mapping[str, object]) -> None:
-        """Update from the engine's `stats` utility (its `SchedulerStats` as a dict).
+    def set_cache_config(self, *, block_size: int, num_gpu_blocks: int) -> None:
+        """Expose the KV cache's shape as `trillm:cache_config_info{block_size=...,
+        num_gpu_blocks=...} 1` (and `vllm:cache_config_info`), as vLLM does."""
+        self.cache_config.clear()
+        self.cache_config.labels(self.model_name, str(block_size), str(num_gpu_blocks)).set(1)
 
-        Keys used: num_running, num_waiting, kv_usage (a fraction), num_free_blocks,
-        prefix_cache_queries and
-        prefix_cache_hits (cumulative token counts; a count lower than the last one means a
-        new engine, counted from zero). Missing keys leave their metric as it is.
+    def set_engine_stats(self, stats: Mapping[str, object], engine: int = 0) -> None:
+        """Update engine `engine`'s series from its `stats` utility (`SchedulerStats` as a dict).
+
+        Keys used: num_running, num_waiting, kv_usage (a fraction), num_free_blocks, and the
+        engine's cumulative counts prefix_cache_queries, prefix_cache_hits (tokens), step and
+        num_preemptions (a count lower than the last one means a new engine, counted from
+        zero). Missing keys leave their metric as it is.
         """
-        name = self.model_name
+        name, index = self.model_name, str(engine)
         for key, gauge in (
             ("num_running", self.num_requests_running),
             ("num_waiting", self.num_requests_waiting),
@@ -211,18 +282,24 @@ class Metrics:
         ):
             value = stats.get(key)
             if isinstance(value, int | float):
-                gauge.labels(name).set(value)
+                gauge.labels(name, index).set(value)
         for key, counter in (
             ("prefix_cache_queries", self.prefix_cache_queries),
             ("prefix_cache_hits", self.prefix_cache_hits),
             ("step", self.engine_steps),
+            ("num_preemptions", self.num_preemptions),
         ):
             total = stats.get(key)
             if not isinstance(total, int):
                 continue
-            last = self._last_engine_counters.get(key, 0)
-            counter.labels(name).inc(total - last if total >= last else total)
-            self._last_engine_counters[key] = total
+            last = self._last_engine_counters.get((engine, key), 0)
+            counter.labels(name, index).inc(total - last if total >= last else total)
+            self._last_engine_counters[(engine, key)] = total
+
+    def engine_gone(self, engine: int) -> None:
+        """A dead engine holds no request: its load gauges read 0 (its counters stay)."""
+        for gauge in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage):
+            gauge.labels(self.model_name, str(engine)).set(0)
 
     def set_frontend_state(self, *, in_flight: int, request_states: int) -> None:
         """Update the frontend's gauges: HTTP generation requests in flight, and the

@@ -58,7 +58,10 @@ async def run_server(
             alive); the message names the root cause.
     """
     async with open_llm(config.llm) as llm:
-        metrics = Metrics(config.http.served_model_name)
+        metrics = Metrics(config.http.served_model_name, len(llm.engines))
+        metrics.set_cache_config(
+            block_size=llm.ready.block_size, num_gpu_blocks=llm.ready.num_blocks
+        )
         if llm.ready.kernels is not None:
             metrics.set_kernels(msgspec.structs.asdict(llm.ready.kernels))
         app = App(llm, config.http, metrics)

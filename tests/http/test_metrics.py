@@ -16,7 +16,22 @@ def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], f
     return out
 
 
+ENGINE_SOURCED = {
+    "trillm:num_requests_running",
+    "trillm:num_requests_waiting",
+    "trillm:kv_cache_usage_perc",
+    "trillm:kv_cache_free_blocks",
+    "trillm:prefix_cache_queries_total",
+    "trillm:prefix_cache_hits_total",
+    "trillm:num_preemptions_total",
+    "trillm:engine_steps_total",
+}
+
+
 def value(metrics: Metrics, name: str, **labels: str) -> float:
+    """A sample's value; what the engines report is engine 0's unless `engine=` says."""
+    if name in ENGINE_SOURCED:
+        labels.setdefault("engine", "0")
     return samples(metrics)[(name, tuple(sorted({"model_name": "tiny", **labels}.items())))]
 
 
@@ -91,6 +106,20 @@ def test_engine_stats_set_gauges_and_move_counters_forward() -> None:
     metrics.set_engine_stats({"prefix_cache_queries": 20})
     assert value(metrics, "trillm:prefix_cache_queries_total") == 170
     assert value(metrics, "trillm:num_requests_running") == 2
+
+
+def test_each_data_parallel_engine_has_its_own_series() -> None:
+    metrics = Metrics("tiny", num_engines=2)
+    assert value(metrics, "trillm:num_requests_running", engine="1") == 0  # there from the start
+    metrics.set_engine_stats({"num_running": 3, "prefix_cache_queries": 10}, engine=0)
+    metrics.set_engine_stats({"num_running": 5, "prefix_cache_queries": 7}, engine=1)
+    metrics.set_engine_stats({"prefix_cache_queries": 12}, engine=0)  # not engine 1's count
+    assert value(metrics, "trillm:num_requests_running", engine="1") == 5
+    assert value(metrics, "trillm:prefix_cache_queries_total", engine="0") == 12
+    assert value(metrics, "trillm:prefix_cache_queries_total", engine="1") == 7
+    metrics.engine_gone(1)
+    assert value(metrics, "trillm:num_requests_running", engine="1") == 0
+    assert value(metrics, "trillm:prefix_cache_queries_total", engine="1") == 7
 
 
 def test_two_servers_in_one_process_have_their_own_registries() -> None:

@@ -54,6 +54,7 @@ class AsyncLLM:
         self._died = trio.Event()
         self.engines: list[EngineClient] = []
         self.engine_errors: dict[int, EngineDeadError] = {}  # engine index -> why it died
+        self._shutting_down = False
         self._router = EngineRouter(config.data_parallel_size, config.engine.worker.block_size)
         self.ready: P.Ready
 
@@ -335,7 +336,7 @@ class AsyncLLM:
         self._router.engine_died(engine.index)
         self._processor.fail_engine(engine.index, dead)
         live = self.live_engines()
-        if live and error.exc_type != "EngineShutdown":
+        if live and not self._shutting_down:
             print(f"trillm: {dead}; engines {live} keep serving", file=sys.stderr, flush=True)
         if not live and self._dead is None:
             self._dead = dead
@@ -343,6 +344,7 @@ class AsyncLLM:
 
     async def _shutdown(self) -> None:
         """Drain every engine (bounded, together), then make sure they are gone."""
+        self._shutting_down = True
         async with trio.open_nursery() as nursery:
             for engine in self.engines:
                 if hasattr(engine, "process"):
