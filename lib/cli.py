@@ -92,6 +92,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds the server answers 503 after the engine died, then exits non-zero",
     )
     serve.add_argument(
+        "--max-engine-restarts",
+        type=int,
+        default=3,
+        help="start a dead engine again at most this often within --engine-restart-window "
+        "(its open requests fail; new ones wait for it); past that, exit 1 as without",
+    )
+    serve.add_argument("--engine-restart-window", type=float, default=300.0, help="seconds")
+    serve.add_argument(
+        "--no-engine-restart",
+        action="store_true",
+        help="never start a dead engine again: answer 503 and exit after --engine-death-grace",
+    )
+    serve.add_argument(
         "--keep-alive-on-engine-death",
         action="store_true",
         help="keep answering 503 after the engine died instead of exiting",
@@ -228,6 +241,8 @@ def serve_main(args: argparse.Namespace) -> int:
         engine_death_grace=args.engine_death_grace,
         keep_alive_on_engine_death=args.keep_alive_on_engine_death,
         engine_watchdog_timeout=args.engine_watchdog_timeout,
+        max_engine_restarts=0 if args.no_engine_restart else args.max_engine_restarts,
+        engine_restart_window=args.engine_restart_window,
         structured_outputs_timeout=args.structured_outputs_timeout,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,

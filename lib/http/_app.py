@@ -169,7 +169,7 @@ class App:
     # -- routes --------------------------------------------------------------------------
 
     async def _health(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
-        ok = not self.llm.errored and not self.generation.draining
+        ok = not self.llm.errored and not self.generation.draining and not self.llm.restarting
         await self._respond(send, 200 if ok else 503, b"{}", extra)
 
     async def _version(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
@@ -192,6 +192,7 @@ class App:
         self.metrics.set_frontend_state(
             in_flight=self.generation.inflight, request_states=self.llm.num_request_states
         )
+        self.metrics.set_engine_restarts(self.llm.restarts.total)
         headers = [(b"content-type", self.metrics.content_type.encode()), *extra]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": self.metrics.render()})

@@ -130,6 +130,12 @@ class Metrics:
             _ENGINE_LABELS,
             registry=r,
         )
+        self.engine_restarts = Counter(
+            "trillm:engine_restarts",
+            "Times a dead engine was started again (--max-engine-restarts).",
+            _LABELS,
+            registry=r,
+        )
         self.engine_steps = Counter(
             "trillm:engine_steps",
             "Engine steps (scheduler iterations) run.",
@@ -178,6 +184,7 @@ class Metrics:
             self.request_queue_time,
             self.http_requests_in_flight,
             self.frontend_request_states,
+            self.engine_restarts,
             self.prompt_tokens,
             self.generation_tokens,
         )
@@ -300,6 +307,11 @@ class Metrics:
         """A dead engine holds no request: its load gauges read 0 (its counters stay)."""
         for gauge in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage):
             gauge.labels(self.model_name, str(engine)).set(0)
+
+    def set_engine_restarts(self, total: int) -> None:
+        """The frontend's count of engine restarts (cumulative; the counter follows it)."""
+        child = self.engine_restarts.labels(self.model_name)
+        child.inc(max(0, total - int(child._value.get())))
 
     def set_frontend_state(self, *, in_flight: int, request_states: int) -> None:
         """Update the frontend's gauges: HTTP generation requests in flight, and the

@@ -159,6 +159,8 @@ def build_config(
     reasoning_parser: str | None = None,
     chat_template: str | None = None,
     data_parallel_size: int = 1,
+    max_engine_restarts: int = 0,
+    engine_restart_window: float = 300.0,
 ) -> ServerConfig:
     if engine_death_grace < 0:
         raise ValueError(f"--engine-death-grace must be >= 0 seconds, got {engine_death_grace}")
@@ -199,6 +201,8 @@ def build_config(
             chat_template=chat_template,
             reasoning_parser=reasoning_parser,
             data_parallel_size=data_parallel_size,
+            max_engine_restarts=max_engine_restarts,
+            engine_restart_window=engine_restart_window,
         ),
         engine_death_grace=engine_death_grace,
         keep_alive_on_engine_death=keep_alive_on_engine_death,

@@ -40,11 +40,15 @@ class Server:
 
 
 def serve_command(model: Path | str, port: int, *args: str) -> list[str]:
-    """`trillm serve` of a test model on `port` (float32, a 32 MiB KV cache), plus `args`."""
+    """`trillm serve` of a test model on `port` (float32, a 32 MiB KV cache), plus `args`.
+
+    Without engine restarts unless `args` ask for them (`--max-engine-restarts`): the death
+    cases check what a death does, not what a restart hides."""
+    restarts = () if "--max-engine-restarts" in args else ("--no-engine-restart",)
     return [
         sys.executable, "-m", "trillm.cli", "serve", str(model), "--port", str(port),
         "--served-model-name", "tiny", "--kv-cache-memory-bytes", str(1 << 25),
-        "--dtype", "float32", *args,
+        "--dtype", "float32", *restarts, *args,
     ]  # fmt: skip
 
 

@@ -31,8 +31,10 @@ from ._config import LLMConfig
 from ._detokenizer import IncrementalDetokenizer, StopChecker
 from ._engine_client import EngineClient
 from ._errors import EngineDeadError, PromptTooLongError
+from ._launch import EngineStartError
 from ._output_processor import OutputProcessor, RequestState
 from ._outputs import Mailbox, Output
+from ._restarts import RestartPolicy
 from ._router import EngineRouter
 from ._sampling_params import SamplingParams
 from ._streams import RequestStream, load_tokenizer
@@ -55,6 +57,9 @@ class AsyncLLM:
         self.engines: list[EngineClient] = []
         self.engine_errors: dict[int, EngineDeadError] = {}  # engine index -> why it died
         self._shutting_down = False
+        self.restarts = RestartPolicy(config.max_engine_restarts, config.engine_restart_window)
+        self._engine_back = trio.Event()  # set (and renewed) when a restarted engine is READY
+        self._restarting: set[int] = set()  # engine indexes being started again
         self._router = EngineRouter(config.data_parallel_size, config.engine.worker.block_size)
         self.ready: P.Ready
 
@@ -108,7 +113,7 @@ class AsyncLLM:
         token_ids = self.tokenize(prompt)
         max_tokens = self.check_length(len(token_ids), params)
         grammar = await self.check_structured(params)
-        self._check_alive()
+        await self._wait_for_an_engine()
         engine = self.engines[self._router.choose(token_ids)]
         mailbox = Mailbox()
         states = [self._new_state(mailbox, i, token_ids, params) for i in range(params.n)]
@@ -263,16 +268,36 @@ class AsyncLLM:
             raise ValueError(str(result))
         return result
 
+    async def _wait_for_an_engine(self) -> None:
+        """Return once an engine is alive; while every engine restarts, wait (at most the
+        start timeout) instead of failing. Raises what killed them when none comes back."""
+        self._check_alive()
+        with trio.move_on_after(self.config.start_timeout):
+            while not self.live_engines():
+                await self._engine_back.wait()
+                self._check_alive()
+        self._check_alive()
+        if not self.live_engines():
+            raise next(iter(self.engine_errors.values()))
+
+    @property
+    def restarting(self) -> bool:
+        """Whether an engine is being started again (no request reaches it meanwhile)."""
+        return bool(self._restarting)
+
     def live_engines(self) -> list[int]:
-        """Indexes of the engines still alive."""
-        return [e.index for e in self.engines if not e.dead]
+        """Indexes of the engines alive and serving (not dead, not restarting)."""
+        return [e.index for e in self.engines if not e.dead and e.index not in self._restarting]
 
     def _live_engine(self, index: int | None) -> EngineClient:
         if index is not None:
             engine = self.engines[index]
             self._raise_engine_error(engine)
             return engine
-        return next(e for e in self.engines if not e.dead)
+        live = self.live_engines()
+        if not live:  # every engine is restarting
+            raise next(iter(self.engine_errors.values()))
+        return self.engines[live[0]]
 
     def _raise_engine_error(self, engine: EngineClient) -> None:
         if engine.index in self.engine_errors:
@@ -302,6 +327,7 @@ class AsyncLLM:
         ]
 
     async def _start(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
         configs = self._engine_configs()
         for i, config in enumerate(configs):
             name = "engine" if len(configs) == 1 else f"engine {i}"
@@ -330,21 +356,74 @@ class AsyncLLM:
         return self.config.tokenizer or self.config.engine.worker.model
 
     def _on_engine_death(self, engine: EngineClient, error: RemoteError) -> None:
-        """Fail that engine's requests (one pass); once none is left, everything fails."""
+        """Fail that engine's requests (one pass); start it again if the bounds allow;
+        once no engine is left (or coming back), everything fails."""
         dead = EngineDeadError(error)
         self.engine_errors[engine.index] = dead
         self._router.engine_died(engine.index)
         self._processor.fail_engine(engine.index, dead)
+        if self._shutting_down:
+            self._final_death(dead)
+            return
+        if self.restarts.allow():
+            print(
+                f"trillm: {dead}; starting it again (restart {self.restarts.total}, at most "
+                f"{self.restarts.max_restarts} within {self.restarts.window:g} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+            self._restarting.add(engine.index)
+            self._nursery.start_soon(self._restart, engine)
+            return
         live = self.live_engines()
-        if live and not self._shutting_down:
+        if live:
             print(f"trillm: {dead}; engines {live} keep serving", file=sys.stderr, flush=True)
-        if not live and self._dead is None:
+        elif self.restarts.max_restarts:
+            print(f"trillm: {dead}; not restarted: {self.restarts.describe_refusal()}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        self._final_death(dead)
+
+    def _final_death(self, dead: EngineDeadError) -> None:
+        if not self.live_engines() and not self._restarting and self._dead is None:
             self._dead = dead
             self._died.set()
+            self._engine_back.set()  # waiters see the death
+
+    async def _restart(self, old: EngineClient) -> None:
+        """Release the dead engine (process reaped, rings closed), start a new one, serve."""
+        await old.shutdown(0)
+        engine = EngineClient(
+            old.index, old.name, old.config, self._processor, self._on_engine_death
+        )
+        self.engines[old.index] = engine
+        started = time.monotonic()
+        try:
+            engine.spawn(self._nursery)
+            await engine.wait_ready(self.config.start_timeout)
+        except EngineStartError as exc:  # dying while starting: never again, in a loop
+            print(f"trillm: the restarted {engine.name} failed to start: {exc}", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            engine.dead = True
+            self._restarting.discard(old.index)
+            self.engine_errors[old.index] = EngineDeadError(exc.error)
+            self._final_death(self.engine_errors[old.index])
+            return
+        engine.start_tasks(self._nursery, self.config.watchdog_timeout)
+        self._router.alive[old.index] = True
+        self.engine_errors.pop(old.index, None)
+        self._restarting.discard(old.index)
+        print(
+            f"trillm: {engine.name} restarted in {time.monotonic() - started:.1f} s; serving",
+            file=sys.stderr,
+            flush=True,
+        )
+        back, self._engine_back = self._engine_back, trio.Event()
+        back.set()
 
     async def _shutdown(self) -> None:
         """Drain every engine (bounded, together), then make sure they are gone."""
         self._shutting_down = True
+        self._restarting.clear()
         async with trio.open_nursery() as nursery:
             for engine in self.engines:
                 if hasattr(engine, "process"):

@@ -25,6 +25,10 @@ class LLMConfig:
     watchdog_timeout: float = 30.0
     # Engine processes, each with its own rings, scheduler, KV cache (and TP group).
     data_parallel_size: int = 1
+    # A dead engine is started again at most this often within the window (0: never; the
+    # server's default is 3 in 300 s, `--max-engine-restarts`); its open requests fail.
+    max_engine_restarts: int = 0
+    engine_restart_window: float = 300.0
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
