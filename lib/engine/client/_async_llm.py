@@ -124,6 +124,7 @@ class AsyncLLM:
         try:
             for state in states:
                 options = params.child_options(state.index, vocab_size=self.ready.vocab_size)
+                state.options, state.max_tokens, state.grammar = options, max_tokens, grammar
                 try:
                     await engine.send_add(state.rnum, options, max_tokens, token_ids, grammar)
                 except trio.BrokenResourceError:
@@ -356,32 +357,63 @@ class AsyncLLM:
         return self.config.tokenizer or self.config.engine.worker.model
 
     def _on_engine_death(self, engine: EngineClient, error: RemoteError) -> None:
-        """Fail that engine's requests (one pass); start it again if the bounds allow;
-        once no engine is left (or coming back), everything fails."""
+        """Start the engine again if the bounds allow, its open requests paused to resume on
+        it; otherwise fail them (one pass). Once no engine is left or coming back, all fail."""
         dead = EngineDeadError(error)
         self.engine_errors[engine.index] = dead
         self._router.engine_died(engine.index)
-        self._processor.fail_engine(engine.index, dead)
-        if self._shutting_down:
-            self._final_death(dead)
-            return
-        if self.restarts.allow():
+        if not self._shutting_down and self.restarts.allow():
+            held = self._suspend(engine.index, dead)
             print(
                 f"trillm: {dead}; starting it again (restart {self.restarts.total}, at most "
-                f"{self.restarts.max_restarts} within {self.restarts.window:g} s)",
+                f"{self.restarts.max_restarts} within {self.restarts.window:g} s); {held} "
+                f"open requests resume on it",
                 file=sys.stderr,
                 flush=True,
             )
             self._restarting.add(engine.index)
             self._nursery.start_soon(self._restart, engine)
             return
+        self._processor.fail_engine(engine.index, dead)
         live = self.live_engines()
-        if live:
+        if self._shutting_down:
+            pass
+        elif live:
             print(f"trillm: {dead}; engines {live} keep serving", file=sys.stderr, flush=True)
         elif self.restarts.max_restarts:
             print(f"trillm: {dead}; not restarted: {self.restarts.describe_refusal()}",
                   file=sys.stderr, flush=True)  # fmt: skip
         self._final_death(dead)
+
+    def _suspend(self, engine: int, dead: EngineDeadError) -> int:
+        """Keep `engine`'s open requests for its restart, but fail those open at an earlier
+        death too (a request that kills every engine it runs on must not kill them all)."""
+        held = 0
+        for state in [s for s in self._processor.states.values() if s.engine == engine]:
+            state.deaths += 1
+            if state.deaths < 2:
+                held += 1
+                continue
+            del self._processor.states[state.rnum]
+            poison = EngineDeadError(dead.error)
+            poison.args = (f"{dead} (this request was open at the engine's previous death too "
+                           f"and was resumed once; it is not resumed again)",)  # fmt: skip
+            if state.mailbox.fail(poison):
+                state.mailbox.wake()
+        return held
+
+    async def _resume(self, engine: EngineClient) -> None:
+        """Send the restarted engine every request it held: prompt + tokens streamed so far,
+        the same budget; a seeded request continues from a derived seed (seed + tokens)."""
+        for state in [s for s in self._processor.states.values() if s.engine == engine.index]:
+            options = state.options
+            if state.token_ids:
+                seed = None if options.seed is None else options.seed + len(state.token_ids)
+                options = msgspec.structs.replace(options, seed=seed, prompt_logprobs=None)
+            ids = [*state.prompt_token_ids, *state.token_ids]
+            await engine.send_add(
+                state.rnum, options, state.max_tokens, ids, state.grammar, len(state.token_ids)
+            )
 
     def _final_death(self, dead: EngineDeadError) -> None:
         if not self.live_engines() and not self._restarting and self._dead is None:
@@ -406,9 +438,11 @@ class AsyncLLM:
             engine.dead = True
             self._restarting.discard(old.index)
             self.engine_errors[old.index] = EngineDeadError(exc.error)
+            self._processor.fail_engine(old.index, self.engine_errors[old.index])
             self._final_death(self.engine_errors[old.index])
             return
         engine.start_tasks(self._nursery, self.config.watchdog_timeout)
+        await self._resume(engine)
         self._router.alive[old.index] = True
         self.engine_errors.pop(old.index, None)
         self._restarting.discard(old.index)

@@ -117,9 +117,16 @@ class EngineClient:
     # -- sending ---------------------------------------------------------------------------
 
     async def send_add(
-        self, rnum: int, options: Any, max_tokens: int, ids: list[int], grammar: str = ""
+        self,
+        rnum: int,
+        options: Any,
+        max_tokens: int,
+        ids: list[int],
+        grammar: str = "",
+        num_output_tokens: int = 0,
     ) -> None:
-        add = P.AddHeader(rnum, options, max_tokens, time.time(), grammar)
+        """ADD `ids` (prompt, then `num_output_tokens` already generated when resumed)."""
+        add = P.AddHeader(rnum, options, max_tokens, time.time(), grammar, num_output_tokens)
         header = self._encoder.encode(add)
         offset, size = P.add_size(header, len(ids))
         async with self._send_lock:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..protocol._step_record import StepView
 from ._detokenizer import IncrementalDetokenizer, StopChecker
@@ -35,6 +36,12 @@ class RequestState:
     finished: bool = False
     token_ids: list[int] = field(default_factory=list)
     engine: int = 0  # the data-parallel engine it runs on
+    # What resuming it on a restarted engine needs: its options, token budget, grammar, and
+    # how many engine deaths it was open at (a second one fails it: a poison request).
+    options: Any = None
+    max_tokens: int = 0
+    grammar: str = ""
+    deaths: int = 0
 
 
 @dataclass(slots=True)

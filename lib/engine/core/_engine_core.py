@@ -165,9 +165,12 @@ class EngineCore:
     def _handle(self, kind: int, payload: memoryview) -> None:
         if kind == P.ADD:
             header, tokens = P.unpack_add(payload, self._add_decoder)
+            ids = tokens.tolist()
+            num_prompt = len(ids) - header.num_output_tokens
             request = Request(
                 rnum=header.rnum,
-                prompt_token_ids=tokens.tolist(),
+                prompt_token_ids=ids[:num_prompt],
+                output_token_ids=ids[num_prompt:],
                 options=header.options,
                 max_tokens=header.max_tokens,
                 eos_token_id=self.eos_token_id,

@@ -163,6 +163,8 @@ class Scheduler:
         request = self.waiting_for_grammar.pop(rnum, None)
         if request is None:
             return False
+        for token in request.output_token_ids:  # a resumed request: replay what it made
+            grammar.accept(token)
         request.grammar = grammar
         request.status = RequestStatus.WAITING
         self.waiting.append(request)

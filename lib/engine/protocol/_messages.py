@@ -57,6 +57,10 @@ class AddHeader(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, f
     max_tokens: int
     arrival_time: float
     grammar: str = ""  # structured outputs: an llguidance grammar the frontend checked
+    # A request resumed on a restarted engine: the last `num_output_tokens` of the tokens
+    # that follow were generated before (outputs, not prompt: penalties, min_tokens and
+    # max_tokens count them, a grammar replays them).
+    num_output_tokens: int = 0
 
 
 class UtilityCall(msgspec.Struct, array_like=True, gc=False, frozen=True):

@@ -1,8 +1,10 @@
-"""Engine restarts: a dead engine is started again, within bounds, and serves again.
+"""Engine restarts: a dead engine is started again, within bounds, and its requests resume.
 
-Real engine processes of the tiny model, killed with SIGKILL. Requests open at the death fail
-with its cause (resuming them is not built yet); requests sent while the engine restarts wait
-for it; past `max_engine_restarts` within the window the death is final.
+Real engine processes of the tiny model, killed with SIGKILL. Requests open at the death
+resume on the new engine (prompt + the tokens streamed so far) and end with exactly the
+tokens of an uninterrupted run; requests sent while the engine restarts wait for it; a
+request open at two deaths fails (it may be what kills the engine); past
+`max_engine_restarts` within the window the death is final.
 """
 
 from __future__ import annotations
@@ -42,11 +44,15 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny(tmp_path_factory.mktemp("restart-tiny"), "llama")
 
 
-def config(model: Path, restarts: int) -> LLMConfig:
+def config(model: Path, restarts: int, **engine: object) -> LLMConfig:
     worker = WorkerConfig(
         str(model), device="cpu", dtype="float32", block_size=16, kv_cache_bytes=1 << 25
     )
-    return LLMConfig(EngineConfig(worker=worker), start_timeout=120, max_engine_restarts=restarts)
+    return LLMConfig(
+        EngineConfig(worker=worker, **engine),  # type: ignore[arg-type]
+        start_timeout=120,
+        max_engine_restarts=restarts,
+    )
 
 
 async def wait_restarted(llm: object, pid: int) -> None:
@@ -55,34 +61,72 @@ async def wait_restarted(llm: object, pid: int) -> None:
             await trio.sleep(0.05)
 
 
-async def test_a_killed_engine_comes_back_and_serves_the_same_tokens(tiny_dir: Path) -> None:
+async def test_open_streams_resume_with_the_uninterrupted_tokens(tiny_dir: Path) -> None:
+    prompts = [list(range(70 + 30 * i, 90 + 30 * i)) for i in range(3)]
+    long = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
     async with open_llm(config(tiny_dir, restarts=2)) as llm:
-        before = (await llm.complete(list(range(40, 60)), GREEDY))[0].token_ids
-        long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        expected = [(await llm.complete(p, long))[0] for p in prompts]
+        short = (await llm.complete(list(range(40, 60)), GREEDY))[0].token_ids
+        got: dict[int, tuple[list[int], str]] = {}
+        flowing = trio.Event()
+
+        async def held(i: int) -> None:
+            tokens: list[int] = []
+            text = ""
+            async with llm.generate(prompts[i], long) as stream:
+                async for out in stream:
+                    tokens += out.token_ids
+                    text += out.text
+                    if len(tokens) > 20:
+                        flowing.set()
+            got[i] = (tokens, text)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(held, i)
+            await flowing.wait()
+            pid = llm.engines[0].process.pid
+            os.kill(pid, signal.SIGKILL)
+            with trio.fail_after(30):
+                while not llm.restarting:  # the death is known: the restart has begun
+                    await trio.sleep(0.005)
+            assert not llm.live_engines()
+            # Sent while the engine restarts: it waits, then succeeds.
+            waiting = (await llm.complete(list(range(40, 60)), GREEDY))[0].token_ids
+        assert waiting == short
+        for i in range(3):  # the streams paused, then went on as if nothing happened
+            assert got[i] == (expected[i].token_ids, expected[i].text)
+        assert is_dead(pid) and llm.engines[0].process.pid != pid
+        assert llm.restarts.total == 1 and not llm.errored and not llm.restarting
+
+
+async def test_a_request_open_at_two_deaths_fails_and_the_rest_go_on(tiny_dir: Path) -> None:
+    long = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
+    # The null executor's 50 ms steps hold the request open through both deaths on any machine.
+    slow = config(tiny_dir, restarts=3, executor="null", null_step_time=0.05)
+    async with open_llm(slow) as llm:
         failed: list[BaseException] = []
+        flowing = trio.Event()
 
         async def held() -> None:
             try:
-                await llm.complete(list(range(70, 90)), long)
+                async with llm.generate(list(range(70, 90)), long) as stream:
+                    async for _ in stream:
+                        flowing.set()
             except EngineDeadError as exc:
                 failed.append(exc)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(held)
-            await trio.sleep(0.3)
-            pid = llm.engines[0].process.pid
-            os.kill(pid, signal.SIGKILL)
-            with trio.fail_after(30):
-                while not failed:  # the death is known: the restart has begun
-                    await trio.sleep(0.01)
-            assert llm.restarting and not llm.live_engines()
-            # Sent while the engine restarts: it waits, then succeeds.
-            waiting = (await llm.complete(list(range(40, 60)), GREEDY))[0].token_ids
-        assert len(failed) == 1 and "killed by signal 9" in str(failed[0])
-        assert waiting == before
-        assert is_dead(pid) and llm.engines[0].process.pid != pid
-        assert llm.restarts.total == 1 and not llm.errored and not llm.restarting
-        assert (await llm.complete(list(range(40, 60)), GREEDY))[0].token_ids == before
+            await flowing.wait()
+            for _ in range(2):
+                pid = llm.engines[0].process.pid
+                os.kill(pid, signal.SIGKILL)
+                await wait_restarted(llm, pid)
+        assert len(failed) == 1
+        assert "open at the engine's previous death too" in str(failed[0])
+        assert (await llm.complete(list(range(40, 60)), GREEDY))[0].token_ids
+        assert llm.restarts.total == 2
 
 
 async def test_past_the_bound_the_death_is_final(tiny_dir: Path) -> None:
