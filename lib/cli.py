@@ -57,6 +57,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine processes, each with its own scheduler and KV cache (and TP group); "
         "requests go by load, with prefix affinity",
     )
+    nodes = serve.add_argument_group(
+        "multi-node tensor parallelism",
+        "TP across --nnodes machines, TP / nnodes ranks each: node 0 runs the server, the "
+        "engine and ranks 0..L-1; node k runs `trillm serve MODEL --headless --node-rank k` "
+        "with the same flags. Collectives meet at --master-addr:--master-port (torch."
+        "distributed), the engine's broadcast at --master-port + 1.",
+    )
+    nodes.add_argument("--nnodes", type=int, default=1, help="machines in the TP group")
+    nodes.add_argument("--node-rank", type=int, default=0, help="this machine's index (0: server)")
+    nodes.add_argument("--master-addr", default="127.0.0.1", help="node 0's address")
+    nodes.add_argument(
+        "--master-port",
+        type=int,
+        help="node 0's port for torch.distributed (and +1 for the step broadcast); required "
+        "with --nnodes > 1 (default: a free port)",
+    )
+    nodes.add_argument(
+        "--headless",
+        action="store_true",
+        help="run only this node's worker ranks (no server, no engine): nodes with --node-rank > 0",
+    )
+    nodes.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=120.0,
+        help="seconds for every node to join before start-up fails",
+    )
     serve.add_argument("--max-model-len", type=int)
     serve.add_argument("--max-num-seqs", type=int, default=256)
     serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -224,6 +251,12 @@ def serve_main(args: argparse.Namespace) -> int:
         inject_fault=args.inject_fault,
     )
     config = build_config(
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        headless=args.headless,
+        distributed_timeout=args.distributed_timeout,
         host=args.host,
         port=args.port,
         served_model_name=name,
@@ -249,6 +282,10 @@ def serve_main(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
         chat_template=args.chat_template,
     )
+    if args.headless:
+        from .engine.core import run_node_agent
+
+        return run_node_agent(config.llm.engine)
     raise_open_files_limit()
     trio.run(run_server, config)
     return 0
@@ -269,8 +306,10 @@ def main(argv: list[str] | None = None) -> int:
             return serve_main(args)
         except Exception as exc:
             from .engine.client import EngineDeadError, EngineStartError
+            from .engine.core import NodeAgentError
 
-            if isinstance(exc, EngineStartError | EngineDeadError | ValueError):
+            errors = EngineStartError | EngineDeadError | NodeAgentError | ValueError
+            if isinstance(exc, errors):
                 print(f"trillm serve: {exc}", file=sys.stderr)
                 return 1
             raise

@@ -38,11 +38,14 @@ class Worker:
         rank: int = 0,
         world_size: int = 1,
         dist_init_method: str | None = None,
+        local_rank: int | None = None,
     ) -> None:
+        """`local_rank`: this rank's index on its machine (its GPU); default `rank` (one node)."""
         if world_size > 1 and dist_init_method is None:
             raise ValueError("tensor parallelism needs dist_init_method (e.g. tcp://host:port)")
         self.config = config
         self.rank = rank
+        self.local_rank = rank if local_rank is None else local_rank
         self.world_size = world_size
         self.dist_init_method = dist_init_method
         self.device = torch.device("cpu")
@@ -60,7 +63,7 @@ class Worker:
         """Pick the device, join the process group (gloo on CPU, NCCL on CUDA), snapshot memory."""
         device = self.config.torch_device()
         if device.type == "cuda":
-            device = torch.device("cuda", (device.index or 0) + self.rank)
+            device = torch.device("cuda", (device.index or 0) + self.local_rank)
             torch.cuda.set_device(device)
         self.device = device
         if self.world_size > 1:

@@ -82,6 +82,7 @@ class _Server:
             rank=args.rank,
             world_size=args.world_size,
             dist_init_method=args.dist_init_method,
+            local_rank=args.reader_index,  # its place on this node's ring: its GPU there
         )
         self.commands = commands
         self.results = results

@@ -161,9 +161,27 @@ def build_config(
     data_parallel_size: int = 1,
     max_engine_restarts: int = 0,
     engine_restart_window: float = 300.0,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    headless: bool = False,
+    distributed_timeout: float = 120.0,
 ) -> ServerConfig:
     if engine_death_grace < 0:
         raise ValueError(f"--engine-death-grace must be >= 0 seconds, got {engine_death_grace}")
+    if headless and node_rank == 0:
+        raise ValueError(
+            "--headless runs only a node's worker ranks, so it needs --node-rank >= 1: node 0 "
+            "runs the server and the engine"
+        )
+    if node_rank > 0 and not headless:
+        raise ValueError(
+            f"--node-rank {node_rank} runs only its worker ranks: add --headless (the server "
+            f"and the engine run on node 0)"
+        )
+    if nnodes > 1 and data_parallel_size > 1:
+        raise ValueError("--nnodes > 1 with --data-parallel-size > 1 is not supported")
     engine = EngineConfig(
         worker=worker,
         tensor_parallel_size=tensor_parallel_size,
@@ -171,6 +189,11 @@ def build_config(
         executor=executor,
         null_step_time=null_step_time,
         structured_outputs_timeout=structured_outputs_timeout,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        distributed_timeout=distributed_timeout,
     )
     if tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(

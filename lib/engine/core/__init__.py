@@ -8,6 +8,8 @@ from ._errors import WorkerDiedError as WorkerDiedError
 from ._executor import Executor as Executor
 from ._executor import NullExecutor as NullExecutor
 from ._executor import UniprocExecutor as UniprocExecutor
+from ._node_agent import NodeAgentError as NodeAgentError
+from ._node_agent import run_node_agent as run_node_agent
 from ._request import Request as Request
 from ._scheduler import Scheduler as Scheduler
 from ._scheduler import SchedulerConfig as SchedulerConfig

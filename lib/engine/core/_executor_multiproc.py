@@ -12,19 +12,20 @@ each failure is dated (FAILURE records carry the worker's ``CLOCK_MONOTONIC`` ti
 without one is dated to the last sweep that saw the process alive, its earliest possible
 time) and the earliest wins. A rank whose peer died fails later, in a collective, so its
 error is never mistaken for the cause.
+
+Across nodes (`cluster.nnodes > 1`): this process runs ranks 0..L-1 of node 0 itself; the
+ranks of node k live under that node's agent, reached through `_remote_nodes` (each record
+is written into the local ring and sent to every agent, which writes it into its own). A
+remote rank's replies, FAILURE records and exit arrive as frames, and the root cause waits
+(bounded) until every node has said its ranks were alive after the earliest failure seen.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 import select
-import socket
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from typing import Final, Self
 
 import msgspec
@@ -37,84 +38,27 @@ from ...gpu import (
     StepBatch,
     StepBatchCodec,
     WorkerConfig,
-    WorkerFailure,
     open_model,
 )
 from ...gpu import _worker_process as W
-from ...gpu._process import is_exiting
 from ...transport_shm import BusyError, Record, RingReader, RingWriter
+from ..protocol._config import EngineConfig
 from ..protocol._errors import RemoteError
 from ._errors import WorkerDiedError
 from ._executor import Executor, Masks
+from ._ranks import (
+    LocalRank,
+    RankState,
+    free_tcp_port,
+    reap_exited,
+    spawn_rank,
+    sweep_local,
+    worker_args,
+)
+from ._remote_nodes import RemoteNode, accept_nodes, open_listener
 
 WATCH_INTERVAL: Final = 0.02  # seconds between sweeps while a ring wait is blocked
 SIDE_RING_CAPACITY: Final = 1 << 20  # result rings of ranks > 0: replies to LOAD and failures
-
-
-def free_tcp_port() -> int:
-    """A port free on 127.0.0.1 now, for torch.distributed's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class _Rank:
-    """One worker process as the executor sees it."""
-
-    rank: int
-    process: subprocess.Popen[bytes]
-    pidfd: int
-    results: RingReader
-    alive_at_ns: int  # the last sweep that saw it alive: a lower bound of its death
-    failure: WorkerFailure | None = None
-    failed_at_ns: int = 0
-    returncode: int | None = None
-    exiting: bool = False  # its exit has begun, its pidfd is not readable yet
-
-    @property
-    def has_failed(self) -> bool:
-        return self.failure is not None or self.returncode is not None
-
-    @property
-    def failed_since_ns(self) -> int:
-        """The earliest time its failure can have happened."""
-        return self.failed_at_ns if self.failure is not None else self.alive_at_ns
-
-    def remote_error(self) -> RemoteError:
-        code = self.returncode
-        signal = -code if code is not None and code < 0 else None
-        exit_code = code if code is not None and code >= 0 else None
-        where = f"worker rank {self.rank}"
-        if self.failure is None:
-            return RemoteError(where, exit_code=exit_code, signal=signal)
-        f = self.failure
-        return RemoteError(where, f.exc_type, f.message, f.traceback, exit_code, signal, f.function)
-
-    def take_failures(self, *, drain: bool) -> None:
-        """Read FAILURE records at the front of the result ring (or all records, if `drain`:
-        the rank is dead and its other replies will never be read)."""
-        ring = self.results
-        while True:
-            try:
-                record = ring.try_peek()
-            except trio.BrokenResourceError:  # it closed its end: everything was read
-                return
-            if record is None:
-                return
-            kind, payload = record
-            if kind == W.REPLY_FAILURE and self.failure is None:
-                (self.failed_at_ns,) = W.U64.unpack_from(payload)
-                self.failure = msgspec.msgpack.decode(payload[8:], type=WorkerFailure)
-            elif kind != W.REPLY_FAILURE and not drain:
-                return  # an ordinary reply: whoever waits for it reads it
-            ring.release()
-
-
-def _reap(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.kill()
-        process.wait()
 
 
 class MultiprocExecutor(Executor):
@@ -139,6 +83,7 @@ class MultiprocExecutor(Executor):
         *,
         ring_capacity: int = 1 << 24,
         shutdown_timeout: float = 5.0,
+        cluster: EngineConfig | None = None,
     ) -> None:
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
@@ -151,46 +96,46 @@ class MultiprocExecutor(Executor):
         self._buffer = bytearray()  # reused for every encoded StepBatch
         self._error: RemoteError | None = None  # the root cause, once a rank failed
         self._is_shut_down = False
-        self._exits = select.poll()  # every live rank's pidfd
+        self._exits = select.poll()  # every live local rank's pidfd
+        self._nodes: list[RemoteNode] = []  # nodes > 0 (multi-node only), by node rank
+        nnodes = cluster.nnodes if cluster is not None else 1
+        num_local = tensor_parallel_size // nnodes
+        if cluster is not None and cluster.master_port is not None:
+            dist_init_method = f"tcp://{cluster.master_addr}:{cluster.master_port}"
+        else:
+            dist_init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
         side_capacity = min(ring_capacity, SIDE_RING_CAPACITY)
-        dist_init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
         with contextlib.ExitStack() as stack:
+            listener = None
+            if cluster is not None and nnodes > 1:
+                listener = stack.enter_context(open_listener(cluster))
             self._commands = stack.enter_context(
-                RingWriter.create(ring_capacity, num_readers=tensor_parallel_size)
+                RingWriter.create(ring_capacity, num_readers=num_local)
             )
-            self._ranks: list[_Rank] = []
-            for rank in range(tensor_parallel_size):
+            self._local: list[LocalRank] = []
+            self._ranks: list[RankState] = []  # every rank, local then remote: by rank
+            for rank in range(num_local):
                 capacity = ring_capacity if rank == 0 else side_capacity
-                self._ranks.append(self._spawn(stack, rank, capacity, dist_init_method))
+                results = stack.enter_context(RingReader.create(capacity))
+                args = worker_args(
+                    config,
+                    rank=rank,
+                    world_size=tensor_parallel_size,
+                    reader_index=rank,
+                    dist_init_method=dist_init_method,
+                    commands=self._commands.address,
+                    results=results,
+                )
+                local = spawn_rank(stack, self._exits, args, results, self._commands.address)
+                self._local.append(local)
+                self._ranks.append(local)
             self._wait_attached()
+            if listener is not None and cluster is not None:
+                self._nodes = accept_nodes(listener, cluster, stack, self._raise_if_failed)
+                listener.close()
+                for node in self._nodes:
+                    self._ranks += node.ranks
             self._stack = stack.pop_all()
-
-    def _spawn(
-        self, stack: contextlib.ExitStack, rank: int, capacity: int, dist_init_method: str
-    ) -> _Rank:
-        """Start rank `rank`; `stack` kills and reaps it, and closes its ring and pidfd."""
-        results = stack.enter_context(RingReader.create(capacity))
-        args = W.WorkerProcessArgs(
-            config=self.config,
-            rank=rank,
-            world_size=self.tensor_parallel_size,
-            dist_init_method=dist_init_method,
-            commands=self._commands.address,
-            reader_index=rank,
-            results=results.address,
-            parent_pid=os.getpid(),
-        )
-        started_ns = time.monotonic_ns()
-        process = subprocess.Popen(
-            [sys.executable, "-m", "trillm.gpu._worker_process", msgspec.json.encode(args)],
-            pass_fds=(*self._commands.address.fds, *results.address.fds),
-            stdin=subprocess.DEVNULL,
-        )
-        stack.callback(_reap, process)
-        pidfd = os.pidfd_open(process.pid)
-        stack.callback(os.close, pidfd)
-        self._exits.register(pidfd, select.POLLIN)
-        return _Rank(rank, process, pidfd, results, started_ns)
 
     def __enter__(self) -> Self:
         return self
@@ -200,8 +145,8 @@ class MultiprocExecutor(Executor):
 
     @property
     def pids(self) -> list[int]:
-        """The worker processes' pids, by rank."""
-        return [rank.process.pid for rank in self._ranks]
+        """The local worker processes' pids, by rank."""
+        return [rank.pid for rank in self._local]
 
     @property
     def returncodes(self) -> list[int | None]:
@@ -244,6 +189,8 @@ class MultiprocExecutor(Executor):
         if masks is not None and len(batch.grammar_rnums):
             batch.grammar_bitmask = masks()
         self._step_codec.encode_into(batch, self._buffer)
+        for node in self._nodes:  # its ALIVE frames must not fill the socket under load
+            node.pump()
         self._broadcast(W.CMD_STEP, self._buffer)
         rank0 = self._ranks[0]
         payload = self._reply(rank0, W.REPLY_OUTPUT)
@@ -269,9 +216,17 @@ class MultiprocExecutor(Executor):
             with contextlib.suppress(trio.BrokenResourceError):
                 if self._commands.try_reserve(0) is not None:  # full: a rank is stuck
                     self._commands.commit(W.CMD_SHUTDOWN)
+            for node in self._nodes:  # each agent stops its ranks, then closes
+                node.send_last(W.CMD_SHUTDOWN)
             deadline = time.monotonic() + self.shutdown_timeout
-            while (left := deadline - time.monotonic()) > 0 and self._reap_exited(left):
-                pass
+            while (left := deadline - time.monotonic()) > 0:
+                live = [node for node in self._nodes if not node.is_closed]
+                slice_s = min(left, WATCH_INTERVAL) if live else left
+                ranks_left = reap_exited(self._local, self._exits, slice_s)
+                if not (live or ranks_left):
+                    break
+                for node in live:
+                    node.pump(0 if ranks_left else slice_s)
         finally:
             self._stack.close()  # kills what is left, closes pidfds and rings
 
@@ -284,7 +239,9 @@ class MultiprocExecutor(Executor):
             raise WorkerDiedError(self._error)
 
     def _wait_attached(self) -> None:
-        for ring in [self._commands, *(rank.results for rank in self._ranks)]:
+        rings: list[RingReader | RingWriter] = [self._commands]
+        rings += [rank.ring for rank in self._local if rank.ring is not None]
+        for ring in rings:
             while True:
                 try:
                     ring.wait_attached(WATCH_INTERVAL)
@@ -303,8 +260,10 @@ class MultiprocExecutor(Executor):
                 raise self._failed(exc) from None
         view[:] = data
         self._commands.commit(kind)
+        for node in self._nodes:
+            node.send(kind, data, self._raise_if_failed)
 
-    def _reply(self, rank: _Rank, kind: int) -> memoryview:
+    def _reply(self, rank: RankState, kind: int) -> memoryview:
         """The payload of `rank`'s next reply, which must be of `kind`; release it after."""
         record: Record
         while True:
@@ -328,30 +287,13 @@ class MultiprocExecutor(Executor):
     # -- supervision -----------------------------------------------------------------------
 
     def _sweep(self) -> None:
-        """Collect FAILURE records and exits of every rank; never blocks.
-
-        Rings first, pidfds second, and a rank that has begun to exit is not seen alive: a
-        killed rank closes its sockets (so a peer's collective fails and reports) before its
-        pidfd turns readable, and under load that gap is long enough for a sweep to fall in
-        it. Its `alive_at_ns` then stays at the last sweep before its death began, earlier
-        than any failure that death caused.
-        """
-        for rank in self._ranks:
-            if rank.returncode is None:
-                rank.take_failures(drain=False)
-        now = time.monotonic_ns()
-        exited = {fd for fd, _ in self._exits.poll(0)}
-        for rank in self._ranks:
-            if rank.returncode is not None:
-                continue
-            if rank.pidfd in exited:
-                self._exits.unregister(rank.pidfd)
-                rank.returncode = rank.process.wait()
-                rank.take_failures(drain=True)
-            elif is_exiting(rank.process.pid):
-                rank.exiting = True
-            else:
-                rank.alive_at_ns = now
+        """Collect FAILURE records and exits of every rank, local and remote; never blocks."""
+        sweep_local(self._local, self._exits)
+        for node in self._nodes:
+            node.pump()
+            for rank in node.ranks:
+                if not rank.has_failed:
+                    rank.take_failures(drain=False)
 
     def _root_cause(self) -> RemoteError | None:
         """The earliest failure, once no rank is still on its way out (it may be earlier)."""
@@ -359,6 +301,14 @@ class MultiprocExecutor(Executor):
         if not failed or any(rank.exiting and not rank.has_failed for rank in self._ranks):
             return None
         first = min(failed, key=lambda rank: (rank.failed_since_ns, rank.rank))
+        # A node that has not told us its ranks were alive after `first` failed may hold an
+        # earlier failure; its agent says so every WATCH_INTERVAL, so wait (bounded) for it.
+        since = first.failed_since_ns
+        patience_ns = int(self.shutdown_timeout * 1e9)
+        if time.monotonic_ns() - since < patience_ns and any(
+            node.is_undecided(since) for node in self._nodes
+        ):
+            return None
         self._error = first.remote_error()
         return self._error
 
@@ -383,13 +333,3 @@ class MultiprocExecutor(Executor):
             "worker", type(cause).__qualname__ if cause else "", str(cause) if cause else ""
         )
         return WorkerDiedError(self._error)
-
-    def _reap_exited(self, timeout: float) -> bool:
-        """Wait up to `timeout` for a rank to exit and reap it; False once none is left."""
-        if all(rank.returncode is not None for rank in self._ranks):
-            return False
-        for fd, _ in self._exits.poll(math.ceil(timeout * 1000)):
-            self._exits.unregister(fd)
-            rank = next(rank for rank in self._ranks if rank.pidfd == fd)
-            rank.returncode = rank.process.wait()
-        return True

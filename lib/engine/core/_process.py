@@ -45,7 +45,7 @@ def make_executor(config: EngineConfig) -> Executor:
         )
     from ._executor_multiproc import MultiprocExecutor
 
-    return MultiprocExecutor(config.worker, config.tensor_parallel_size)
+    return MultiprocExecutor(config.worker, config.tensor_parallel_size, cluster=config)
 
 
 def root_cause(exc: BaseException) -> RemoteError:

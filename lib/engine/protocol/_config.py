@@ -31,6 +31,16 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # long one grammar may take to compile before its request fails.
     tokenizer: str | None = None
     structured_outputs_timeout: float = 10.0
+    # Tensor parallelism across nodes (vLLM's flags): node 0 runs the engine and ranks
+    # 0..L-1 (L = tensor_parallel_size / nnodes); node k > 0 runs a headless node agent with
+    # ranks kL..kL+L-1. torch.distributed meets at master_addr:master_port; the executor's
+    # broadcast listener at master_addr:master_port + 1. master_port None: a free port
+    # (nnodes 1 only).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    distributed_timeout: float = 120.0  # seconds for every node to join
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
@@ -45,12 +55,46 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.executor == "uni" and self.tensor_parallel_size > 1:
             raise EngineConfigError("the uni executor runs one rank: use executor='multiproc'")
+        self._check_nodes()
+
+    def _check_nodes(self) -> None:
+        if self.nnodes < 1:
+            raise EngineConfigError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise EngineConfigError(
+                f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}), "
+                f"got {self.node_rank}"
+            )
+        if self.tensor_parallel_size % self.nnodes:
+            raise EngineConfigError(
+                f"--tensor-parallel-size {self.tensor_parallel_size} is not divisible by "
+                f"--nnodes {self.nnodes}: every node runs the same number of ranks"
+            )
+        if self.nnodes > 1 and self.master_port is None:
+            raise EngineConfigError(
+                f"--master-port is required with --nnodes {self.nnodes}: every node must be "
+                f"given the same one (port+1 is used too)"
+            )
+        if self.master_port is not None and not 1 <= self.master_port <= 65534:
+            raise EngineConfigError(f"--master-port must be in 1..65534, got {self.master_port}")
+        if not self.distributed_timeout > 0:
+            raise EngineConfigError(
+                f"--distributed-timeout must be > 0 seconds, got {self.distributed_timeout}"
+            )
+        if self.nnodes > 1 and self.executor not in ("auto", "multiproc"):
+            raise EngineConfigError(
+                f"--nnodes {self.nnodes} needs the multiproc executor, got {self.executor!r}"
+            )
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
 
     @property
     def executor_kind(self) -> str:
         if self.executor != "auto":
             return self.executor
-        return "uni" if self.tensor_parallel_size == 1 else "multiproc"
+        return "uni" if self.tensor_parallel_size == 1 and self.nnodes == 1 else "multiproc"
 
 
 class EngineArgs(msgspec.Struct, frozen=True):
