@@ -6,15 +6,20 @@ counts it; a request after it succeeds; no shared-memory segment of the dead eng
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 import trio
 
+from trillm.gpu._default_model import default_model_dir
+
 from ..procs import children
+from .figures import record
 from .http_harness import parse_metrics, tiny_model_dir
 from .proc_harness import Served, completion, served, wait_for
 
@@ -62,3 +67,64 @@ async def test_a_killed_engine_is_restarted_and_the_server_serves_again(model: P
 
 def metrics_text(server: Served) -> str:
     return httpx.get(f"{server.base_url}/metrics", timeout=10).text
+
+
+@pytest.mark.slow
+async def test_32_open_streams_resume_after_a_sigkill_with_the_uninterrupted_text() -> None:
+    """Every stream completes with no error and the uninterrupted run's greedy text. On the
+    default model: the tiny one finishes 32 streams before a client has read their first
+    tokens, so a kill would find nothing open."""
+    prompts = [[1000 + 7 * i + j for j in range(12)] for i in range(32)]
+    body = {"max_tokens": 96, "temperature": 0, "ignore_eos": True}
+    args = ("--max-engine-restarts", "2", "--max-model-len", "256", "--max-num-seqs", "32")
+    with served(default_model_dir(), *args) as server:
+        url = f"{server.base_url}/v1/completions"
+        async with httpx.AsyncClient(timeout=120) as client:
+            expected = [""] * 32
+
+            async def uninterrupted(i: int) -> None:
+                reply = await client.post(url, json={"prompt": prompts[i], **body})
+                expected[i] = reply.json()["choices"][0]["text"]
+
+            async with trio.open_nursery() as nursery:  # the same 32, never interrupted
+                for i in range(32):
+                    nursery.start_soon(uninterrupted, i)
+            engine = server.engine_pid()
+            texts = [""] * 32
+            errors: list[str] = []
+            flowing = trio.Event()
+            started: set[int] = set()
+            killed_at: list[float] = []
+            after_kill: list[float] = []
+
+            async def one(i: int) -> None:
+                request = {"prompt": prompts[i], "stream": True, **body}
+                async with client.stream("POST", url, json=request) as response:
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            errors.append(event["error"]["message"])
+                            continue
+                        texts[i] += event["choices"][0]["text"]
+                        if killed_at and not after_kill:
+                            after_kill.append(time.monotonic() - killed_at[0])
+                        started.add(i)
+                        if len(started) == 32:
+                            flowing.set()
+
+            async with trio.open_nursery() as nursery:
+                for i in range(32):
+                    nursery.start_soon(one, i)
+                await flowing.wait()
+                killed_at.append(time.monotonic())
+                os.kill(engine, signal.SIGKILL)
+        assert not errors
+        assert texts == expected
+        assert after_kill, (
+            f"no token after the kill: every stream had ended before it\n{server.output()}"
+        )
+        record(15, "SIGKILL of the engine, 32 open streams: kill to the first resumed token",
+               after_kill[0], "s")  # fmt: skip
+        assert "32 open requests resume on it" in server.output()
