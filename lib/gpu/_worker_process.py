@@ -39,7 +39,7 @@ import msgspec
 import torch
 import trio
 
-from ..transport_shm import RingAddress, RingReader, RingWriter
+from ..transport_shm import Heartbeat, RingAddress, RingReader, RingWriter
 from ._config import WorkerConfig
 from ._failure import WorkerFailure
 from ._process import ParentDiedError, die_with_parent
@@ -56,6 +56,9 @@ REPLY_OUTPUT: Final = 103
 REPLY_FAILURE: Final = 104
 
 U64: Final = struct.Struct("<Q")
+# Seconds between a rank's beats of its result ring's heartbeat word: the executor declares a
+# rank whose beats stopped for its watchdog timeout (SIGSTOP, frozen) not responding.
+HEARTBEAT_INTERVAL: Final = 0.1
 FAILURE_REPORT_TIMEOUT: Final = 10.0  # seconds; the executor may already have stopped reading
 
 
@@ -155,7 +158,10 @@ def run(args: WorkerProcessArgs) -> int:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // args.world_size))
     with RingWriter.attach(args.results) as results:
         try:
-            with RingReader.attach(args.commands, args.reader_index) as commands:
+            with (
+                RingReader.attach(args.commands, args.reader_index) as commands,
+                Heartbeat(results, HEARTBEAT_INTERVAL, name="trillm-rank-heartbeat"),
+            ):
                 _Server(args, commands, results).serve()
         except Exception as exc:
             report_failure(results, args.rank, exc)

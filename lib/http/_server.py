@@ -189,6 +189,7 @@ def build_config(
         executor=executor,
         null_step_time=null_step_time,
         structured_outputs_timeout=structured_outputs_timeout,
+        worker_watchdog_timeout=engine_watchdog_timeout,
         nnodes=nnodes,
         node_rank=node_rank,
         master_addr=master_addr,

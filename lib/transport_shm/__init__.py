@@ -13,6 +13,7 @@ from ._errors import BusyError as BusyError
 from ._errors import RecordTooLargeError as RecordTooLargeError
 from ._errors import SharedMemorySpaceError as SharedMemorySpaceError
 from ._errors import TransportError as TransportError
+from ._heartbeat import Heartbeat as Heartbeat
 from ._layout import RingAddress as RingAddress
 from ._reader import Record as Record
 from ._reader import RingReader as RingReader

@@ -51,12 +51,16 @@ async def wait_restarted(server: Served, dead: int, timeout: float = 120) -> int
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-async def test_sigkill_of_worker_rank_1_at_tp2_resumes_8_streams_with_the_same_text(
-    model: Path,
+@pytest.mark.parametrize("strike", ["SIGKILL", "SIGSTOP"])
+async def test_sigkill_or_sigstop_of_worker_rank_1_at_tp2_resumes_8_streams_with_the_same_text(
+    model: Path, strike: str
 ) -> None:
+    """A stopped rank is alive to its pidfd: its heartbeat (beaten by a thread of its own)
+    stops, the executor declares it not responding after the watchdog timeout and kills it."""
     prompts = [f"The story number {i} begins" for i in range(8)]
     body = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
     args = ("--tensor-parallel-size", "2", "--max-engine-restarts", "2")
+    args += ("--engine-watchdog-timeout", "2")
     with served(model, *args, start_timeout=TP2_START_TIMEOUT) as server:
         url = f"{server.base_url}/v1/completions"
         async with httpx.AsyncClient(timeout=120) as client:
@@ -100,16 +104,20 @@ async def test_sigkill_of_worker_rank_1_at_tp2_resumes_8_streams_with_the_same_t
                         nursery.start_soon(one, i)
                     await flowing.wait()
                     killed_at.append(time.monotonic())
-                    os.kill(rank1, signal.SIGKILL)
+                    os.kill(rank1, getattr(signal, strike))
         assert not errors
         assert texts == expected
         assert after_kill, (
             f"no token after the kill: every stream had ended before it\n{server.output()}"
         )
-        record(20, "SIGKILL of worker rank 1 at TP=2, 8 open streams: kill to the first "
+        record(20, f"{strike} of worker rank 1 at TP=2, 8 open streams: signal to the first "
                "resumed token", after_kill[0], "s")  # fmt: skip
         output = server.output()
-        assert "worker rank 1 process killed by signal 9" in output
+        if strike == "SIGKILL":
+            assert "worker rank 1 process killed by signal 9" in output
+        else:
+            assert "WorkerNotRespondingError in worker rank 1" in output
+            assert "state T (stopped)" in output and "--engine-watchdog-timeout" in output
         assert "8 open requests resume on it" in output
 
 

@@ -91,6 +91,8 @@ class MultiprocExecutor(Executor):
         self.tensor_parallel_size = tensor_parallel_size
         self.block_size = config.block_size
         self.shutdown_timeout = shutdown_timeout
+        # A local rank whose heartbeat stopped this long is declared not responding (0: off).
+        self.watchdog_timeout = cluster.worker_watchdog_timeout if cluster is not None else 0.0
         self._step_codec = StepBatchCodec()
         self._output_codec = RunnerOutputCodec()
         self._buffer = bytearray()  # reused for every encoded StepBatch
@@ -288,7 +290,7 @@ class MultiprocExecutor(Executor):
 
     def _sweep(self) -> None:
         """Collect FAILURE records and exits of every rank, local and remote; never blocks."""
-        sweep_local(self._local, self._exits)
+        sweep_local(self._local, self._exits, self.watchdog_timeout)
         for node in self._nodes:
             node.pump()
             for rank in node.ranks:

@@ -18,38 +18,13 @@ and the per-rank result rings catch the dead-peer cases, a hung live peer remain
 
 from __future__ import annotations
 
-import threading
-from typing import Self
-
+from ...transport_shm import Heartbeat as _RingHeartbeat
 from ...transport_shm import RingWriter
 from ..protocol._messages import HEARTBEAT_INTERVAL
 
 
-class Heartbeat:
-    """Beats `ring` from a daemon thread while the `with` block runs (engine side).
-
-    Leave the block before the ring is closed: a beat after `close` would touch unmapped
-    memory (the thread stops at the first error instead).
-    """
+class Heartbeat(_RingHeartbeat):
+    """Beats the engine's output ring every `HEARTBEAT_INTERVAL` while the block runs."""
 
     def __init__(self, ring: RingWriter, interval: float = HEARTBEAT_INTERVAL) -> None:
-        self._ring = ring
-        self._interval = interval
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="trillm-heartbeat", daemon=True)
-
-    def __enter__(self) -> Self:
-        self._ring.beat()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            try:
-                self._ring.beat()
-            except (ValueError, TypeError):  # the ring was closed under us: nothing to show
-                return
+        super().__init__(ring, interval)

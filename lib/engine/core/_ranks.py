@@ -56,20 +56,32 @@ class RankState:
     returncode: int | None = None
     exiting: bool = False  # its exit has begun, its pidfd is not readable yet
     lost: RemoteError | None = None  # its node is gone: what is known of why
+    stalled: RemoteError | None = None  # its heartbeat stopped for the watchdog timeout
+    beat: int = -1  # its heartbeat word as last read, and since when it has not moved
+    beat_moved_ns: int = 0
 
     def __post_init__(self) -> None:
         self.where = self.where or f"worker rank {self.rank}"
 
     @property
     def has_failed(self) -> bool:
-        return self.failure is not None or self.returncode is not None or self.lost is not None
+        return (
+            self.failure is not None
+            or self.returncode is not None
+            or self.lost is not None
+            or self.stalled is not None
+        )
 
     @property
     def failed_since_ns(self) -> int:
         """The earliest time its failure can have happened."""
-        return self.failed_at_ns if self.failure is not None else self.alive_at_ns
+        if self.failure is not None or self.stalled is not None:
+            return self.failed_at_ns
+        return self.alive_at_ns
 
     def remote_error(self) -> RemoteError:
+        if self.stalled is not None:  # its SIGKILL came from us, after it stopped responding
+            return self.stalled
         code = self.returncode
         signal = -code if code is not None and code < 0 else None
         exit_code = code if code is not None and code >= 0 else None
@@ -164,7 +176,9 @@ def worker_args(
     )
 
 
-def sweep_local(ranks: list[LocalRank], exits: select.poll) -> list[LocalRank]:
+def sweep_local(
+    ranks: list[LocalRank], exits: select.poll, watchdog_timeout: float = 0.0
+) -> list[LocalRank]:
     """Collect FAILURE records and exits of `ranks`; never blocks. Returns those that exited.
 
     Rings first, pidfds second, and a rank that has begun to exit is not seen alive: a
@@ -190,8 +204,58 @@ def sweep_local(ranks: list[LocalRank], exits: select.poll) -> list[LocalRank]:
         elif is_exiting(rank.process.pid):
             rank.exiting = True
         else:
+            if (
+                watchdog_timeout
+                and rank.stalled is None
+                and not _beating(rank, now, watchdog_timeout)
+            ):
+                continue  # stopped responding: no longer seen alive (killed, reported)
             rank.alive_at_ns = now
     return exited
+
+
+def _beating(rank: LocalRank, now: int, timeout: float) -> bool:
+    """Whether `rank`'s heartbeat moved within `timeout`; if not, it is declared not
+    responding (its /proc state says why: "T (stopped)"...) and killed, so that collectives
+    waiting on it fail and its pidfd reports the exit."""
+    if rank.ring is None or rank.process is None:
+        return True
+    try:
+        beat = rank.ring.heartbeat_of_writer()
+    except (ValueError, TypeError):  # the ring is closed: the rank is on its way out
+        return True
+    if beat == 0:  # it has not begun to beat (still importing): start-up has its own bound
+        return True
+    if beat != rank.beat or not rank.beat_moved_ns:
+        rank.beat, rank.beat_moved_ns = beat, now
+        return True
+    still = (now - rank.beat_moved_ns) / 1e9
+    if still < timeout:
+        return True
+    state = process_state(rank.process.pid)
+    rank.stalled = RemoteError(
+        rank.where,
+        "WorkerNotRespondingError",
+        f"no heartbeat from {rank.where} (pid {rank.process.pid}"
+        + (f", state {state}" if state else "")
+        + f") for {still:.1f} s, more than the watchdog timeout of {timeout:g} s "
+        "(--engine-watchdog-timeout); it was killed with SIGKILL",
+    )
+    rank.failed_at_ns = rank.beat_moved_ns  # it can have stopped as early as its last beat
+    rank.process.kill()
+    return False
+
+
+def process_state(pid: int) -> str:
+    """The process's scheduler state from /proc ("T (stopped)", "R (running)", ...), or ""."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("State:"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def reap_exited(ranks: list[LocalRank], exits: select.poll, timeout: float) -> bool:

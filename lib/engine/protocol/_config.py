@@ -31,6 +31,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # long one grammar may take to compile before its request fails.
     tokenizer: str | None = None
     structured_outputs_timeout: float = 10.0
+    # Seconds without a worker rank's heartbeat before it is declared not responding and
+    # killed (TP > 1; 0: never); the server sets it to --engine-watchdog-timeout.
+    worker_watchdog_timeout: float = 0.0
     # Tensor parallelism across nodes (vLLM's flags): node 0 runs the engine and ranks
     # 0..L-1 (L = tensor_parallel_size / nnodes); node k > 0 runs a headless node agent with
     # ranks kL..kL+L-1. torch.distributed meets at master_addr:master_port; the executor's
