@@ -442,7 +442,8 @@ class AsyncLLM:
             self._final_death(self.engine_errors[old.index])
             return
         engine.start_tasks(self._nursery, self.config.watchdog_timeout)
-        await self._resume(engine)
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await self._resume(engine)  # if it died meanwhile, its death is being handled
         self._router.alive[old.index] = True
         self.engine_errors.pop(old.index, None)
         self._restarting.discard(old.index)
