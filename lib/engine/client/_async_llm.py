@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import os
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -315,9 +316,14 @@ class AsyncLLM:
         engine = self.config.engine
         worker = engine.worker
         size = self.config.data_parallel_size
-        if size == 1 or not worker.device.startswith("cuda"):
-            return [engine] * size
-        base = int(worker.device.partition(":")[2] or 0)
+        if size == 1:
+            return [engine]
+        device = worker.torch_device()  # "auto" resolved: CUDA when there is one
+        if device.type != "cuda":  # one CPU: the engines split its cores
+            cores = len(os.sched_getaffinity(0))
+            threads = max(1, cores // (size * engine.tensor_parallel_size))
+            return [msgspec.structs.replace(engine, cpu_threads=threads)] * size
+        base = device.index or 0
         step = engine.tensor_parallel_size
         return [
             msgspec.structs.replace(

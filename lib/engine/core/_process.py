@@ -71,6 +71,10 @@ def main(argv: list[str]) -> int:
     ):
         executor: Executor | None = None
         try:
+            if args.config.cpu_threads:
+                import torch
+
+                torch.set_num_threads(args.config.cpu_threads)
             executor = make_executor(args.config)
             core = EngineCore(args.config, requests, outputs, executor)
             core.start()

@@ -34,6 +34,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Seconds without a worker rank's heartbeat before it is declared not responding and
     # killed (TP > 1; 0: never); the server sets it to --engine-watchdog-timeout.
     worker_watchdog_timeout: float = 0.0
+    # Threads for the model's CPU kernels in the engine process (TP 1; 0: torch's default,
+    # every core). Data-parallel engines on one CPU split the cores: N engines of torch's
+    # default oversubscribe them (perf/dp_bench.py: 0.25x one engine on 2 cores).
+    cpu_threads: int = 0
     # Tensor parallelism across nodes (vLLM's flags): node 0 runs the engine and ranks
     # 0..L-1 (L = tensor_parallel_size / nnodes); node k > 0 runs a headless node agent with
     # ranks kL..kL+L-1. torch.distributed meets at master_addr:master_port; the executor's
