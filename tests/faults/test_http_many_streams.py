@@ -119,4 +119,7 @@ def test_2000_concurrent_streams_complete_and_resources_return(server: Server) -
     assert third.fds <= baseline.fds
     assert third.threads <= baseline.threads
     assert third.rss_bytes - baseline.rss_bytes < 96 * mib
-    assert third.rss_bytes - second.rss_bytes < 8 * mib  # 4 KiB a request would show: no leak
+    # A leak of 4 KiB a request grows every round by 8 MiB; the allocator's noise moves one
+    # round or the other by up to about 22 MiB here, not both (measured: 0.5-21.6 MiB).
+    growth = (second.rss_bytes - first.rss_bytes, third.rss_bytes - second.rss_bytes)
+    assert min(growth) < 8 * mib, "the server's memory grew every round: a leak"
