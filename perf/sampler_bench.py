@@ -17,31 +17,22 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# The baseline: the sampler's filter before it stopped sorting (the tests' reference, too).
+from tests.gpu.test_sampler import sorted_top_k_top_p as sort_top_k_top_p
 from trillm.gpu._sampler import _apply_top_k_top_p
 from trillm.gpu._sampling_batch import RequestSamplingState, SamplingBatch
 from trillm.gpu._sampling_options import SamplingOptions
-
-
-def sort_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
-) -> torch.Tensor:
-    """The baseline: the sampler's filter before it stopped sorting the vocabulary."""
-    ascending, order = logits.sort(dim=-1)
-    if top_k is not None:
-        kth = ascending.gather(1, (logits.shape[-1] - top_k).unsqueeze(1))
-        ascending.masked_fill_(ascending < kth, -torch.inf)
-    cumulative = ascending.softmax(dim=-1).cumsum_(dim=-1)
-    drop = cumulative <= 1 - top_p.unsqueeze(1)
-    drop[:, -1] = False
-    ascending.masked_fill_(drop, -torch.inf)
-    return torch.empty_like(ascending).scatter_(-1, order, ascending)
 
 
 def median_ms(

@@ -51,3 +51,15 @@ def is_exiting(pid: int) -> bool:
         return True
     fields = stat[stat.rindex(b")") + 2 :].split()  # after "pid (comm) ": state, ppid, ...
     return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & _PF_EXITING)
+
+
+def process_state(pid: int) -> str:
+    """The process's scheduler state from /proc ("T (stopped)", "R (running)", ...), or ""."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("State:"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""

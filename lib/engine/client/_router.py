@@ -40,6 +40,10 @@ class EngineRouter:
 
     def choose(self, token_ids: Sequence[int]) -> int:
         """The engine for a prompt; raises LookupError when no engine is alive."""
+        if len(self.alive) == 1:  # nothing to choose: no prefix bookkeeping per request
+            if not self.alive[0]:
+                raise LookupError("no engine is alive")
+            return 0
         live = [i for i, ok in enumerate(self.alive) if ok]
         if not live:
             raise LookupError("no engine is alive")

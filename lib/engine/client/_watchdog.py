@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import trio
 
+from ...gpu._process import process_state
 from ...transport_shm import RingReader
 from ..protocol._errors import RemoteError
 
@@ -50,15 +51,3 @@ def not_responding_error(pid: int, still: float, timeout: float) -> RemoteError:
         + f") for {still:.1f} s, more than the watchdog timeout of {timeout:g} s "
         "(--engine-watchdog-timeout); it was killed with SIGKILL",
     )
-
-
-def process_state(pid: int) -> str:
-    """The process's scheduler state from /proc ("T (stopped)", "R (running)", ...), or ""."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("State:"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""

@@ -23,7 +23,7 @@ import trio
 
 from ...gpu import WorkerConfig, WorkerFailure
 from ...gpu import _worker_process as W
-from ...gpu._process import is_exiting
+from ...gpu._process import is_exiting, process_state
 from ...transport_shm import Record, RingAddress, RingReader
 from ..protocol._errors import RemoteError
 
@@ -244,18 +244,6 @@ def _beating(rank: LocalRank, now: int, timeout: float) -> bool:
     rank.failed_at_ns = rank.beat_moved_ns  # it can have stopped as early as its last beat
     rank.process.kill()
     return False
-
-
-def process_state(pid: int) -> str:
-    """The process's scheduler state from /proc ("T (stopped)", "R (running)", ...), or ""."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("State:"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def reap_exited(ranks: list[LocalRank], exits: select.poll, timeout: float) -> bool:
