@@ -123,9 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=3,
         help="start a dead engine again at most this often within --engine-restart-window "
-        "(its open requests fail; new ones wait for it); past that, exit 1 as without",
+        "(its open requests resume on it; new ones wait for it); past that, exit 1 as without",
     )
     serve.add_argument("--engine-restart-window", type=float, default=300.0, help="seconds")
+    serve.add_argument(
+        "--engine-restart-wait",
+        type=float,
+        default=30.0,
+        help="seconds a request arriving while the engine restarts waits for it; past that it "
+        "gets 503 with Retry-After",
+    )
     serve.add_argument(
         "--no-engine-restart",
         action="store_true",
@@ -167,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="split <think>...</think> off into message.reasoning",
     )
     serve.add_argument("--chat-template", help="a Jinja chat template file to use instead")
-    # Test hook (hidden): "forward:RANK:STEP" raises InjectedFault in that rank's forward pass.
+    # Test hook (hidden): "forward:RANK:STEP" raises InjectedFault in that rank's forward pass
+    # at that step; "token:RANK:ID" in every step whose input holds token ID.
     serve.add_argument("--inject-fault", help=argparse.SUPPRESS)
     serve.add_argument(
         "--executor",
@@ -276,6 +284,7 @@ def serve_main(args: argparse.Namespace) -> int:
         engine_watchdog_timeout=args.engine_watchdog_timeout,
         max_engine_restarts=0 if args.no_engine_restart else args.max_engine_restarts,
         engine_restart_window=args.engine_restart_window,
+        engine_restart_wait=args.engine_restart_wait,
         structured_outputs_timeout=args.structured_outputs_timeout,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,

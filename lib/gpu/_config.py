@@ -13,7 +13,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 MAX_CUDA_GRAPH_BATCH = 512
-_FAULT = re.compile(r"forward:\d+:\d+")
+_FAULT = re.compile(r"(forward|token):\d+:\d+")
 
 
 class WorkerConfigError(ValueError):
@@ -51,7 +51,8 @@ class WorkerConfig:
     # No CUDA graphs: every decode step runs eager (graphs are captured on CUDA only).
     enforce_eager: bool = False
     # Test hook: "forward:RANK:STEP" raises InjectedFault inside the model's forward on that
-    # rank at that step (counting from 0), so death reporting can be tested end to end.
+    # rank at that step (counting from 0), so death reporting can be tested end to end;
+    # "token:RANK:ID" raises it in every step whose input holds token ID (a poison request).
     inject_fault: str | None = None
 
     def __post_init__(self) -> None:
@@ -82,7 +83,8 @@ class WorkerConfig:
             )
         if self.inject_fault is not None and not _FAULT.fullmatch(self.inject_fault):
             raise WorkerConfigError(
-                f"inject_fault must look like 'forward:RANK:STEP', got {self.inject_fault!r}"
+                f"inject_fault must look like 'forward:RANK:STEP' or 'token:RANK:ID', got "
+                f"{self.inject_fault!r}"
             )
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
             if getattr(self, name) <= 0:
@@ -113,9 +115,9 @@ class WorkerConfig:
         sizes = [s for s in (1, 2, 4) if s < top] + list(range(8, top + 8, 8))
         return tuple(sorted({min(s, top) if s >= top else s for s in sizes}))
 
-    def fault_at(self) -> tuple[int, int] | None:
-        """(rank, step) of the injected fault, if the test hook is set."""
+    def fault_at(self) -> tuple[str, int, int] | None:
+        """(kind, rank, step or token id) of the injected fault, if the test hook is set."""
         if self.inject_fault is None:
             return None
-        _, rank, step = self.inject_fault.split(":")
-        return int(rank), int(step)
+        kind, rank, at = self.inject_fault.split(":")
+        return kind, int(rank), int(at)

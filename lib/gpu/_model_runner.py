@@ -59,8 +59,9 @@ class ModelRunner:
         self.model: LlamaForCausalLM | None = None
         self.kernels: KernelChoice | None = None  # chosen by load_model
         self._cpu_features = cpu_features
-        fault = config.fault_at()
-        self._fault_step = fault[1] if fault is not None and fault[0] == tp.rank else -1
+        kind, rank, at = config.fault_at() or ("", -1, -1)
+        self._fault_step = at if rank == tp.rank and kind == "forward" else -1
+        self._fault_token = at if rank == tp.rank and kind == "token" else -1
         self._num_steps = 0
         eos = model_config.eos_token_ids
         self.eos_token_id = eos[0] if eos else None
@@ -204,6 +205,8 @@ class ModelRunner:
         if not len(batch.scheduled_rnums):
             return RunnerOutput(np.zeros(0, np.uint64), np.zeros(0, np.int32))
         inputs = self.inputs.prepare(batch.scheduled_rnums, batch.num_scheduled_tokens)
+        if self._fault_token >= 0 and bool((inputs.input_ids == self._fault_token).any()):
+            self.model.fail_next_forward = True
         hidden = self._forward(inputs)
         prompt_logprobs = self._prompt_logprobs(batch, inputs, hidden)
         self.inputs.advance(inputs)

@@ -23,6 +23,7 @@ from .. import __version__
 from ..engine.client import (
     AsyncLLM,
     EngineDeadError,
+    EngineRestartingError,
     PromptTooLongError,
     RequestFailedError,
     StructuredOutputError,
@@ -106,6 +107,11 @@ class App:
         except RequestError as err:
             headers = [(k.encode(), v.encode()) for k, v in err.headers.items()]
             await self._respond(send, err.status, error_body(err), extra + headers)
+        except EngineRestartingError as exc:  # waited past --engine-restart-wait
+            retry = [(b"retry-after", str(exc.retry_after).encode())]
+            await self._respond(
+                send, 503, error_body(RequestError(503, str(exc), "server_error")), extra + retry
+            )
         except EngineDeadError as exc:  # the server cannot serve (it exits soon): 503
             await self._respond(
                 send, 503, error_body(RequestError(503, str(exc), "server_error")), extra
@@ -267,6 +273,14 @@ class App:
                 503, "the server is shutting down", "server_error", headers={"Retry-After": "5"}
             )
         if self.generation.inflight >= self.config.max_queued_requests:
+            if self.llm.restarting:  # the queue is full of requests waiting for the engine
+                raise RequestError(
+                    503,
+                    f"the engine is restarting and {self.generation.inflight} requests already "
+                    f"wait for it (--max-queued-requests); retry later",
+                    "server_error",
+                    headers={"Retry-After": "5"},
+                )
             raise overloaded(retry_after=1)
         self.generation.inflight += 1
         try:

@@ -31,7 +31,7 @@ from ..protocol._errors import RemoteError
 from ._config import LLMConfig
 from ._detokenizer import IncrementalDetokenizer, StopChecker
 from ._engine_client import EngineClient
-from ._errors import EngineDeadError, PromptTooLongError
+from ._errors import EngineDeadError, EngineRestartingError, PromptTooLongError
 from ._launch import EngineStartError
 from ._output_processor import OutputProcessor, RequestState
 from ._outputs import Mailbox, Output
@@ -271,16 +271,22 @@ class AsyncLLM:
         return result
 
     async def _wait_for_an_engine(self) -> None:
-        """Return once an engine is alive; while every engine restarts, wait (at most the
-        start timeout) instead of failing. Raises what killed them when none comes back."""
+        """Return once an engine is alive; while every engine restarts, wait (at most
+        `engine_restart_wait`) instead of failing.
+
+        Raises:
+            EngineRestartingError: none came back in time (the restart goes on).
+            EngineDeadError: none is alive or coming back.
+        """
         self._check_alive()
-        with trio.move_on_after(self.config.start_timeout):
+        wait = self.config.engine_restart_wait
+        with trio.move_on_after(wait):
             while not self.live_engines():
                 await self._engine_back.wait()
                 self._check_alive()
         self._check_alive()
         if not self.live_engines():
-            raise next(iter(self.engine_errors.values()))
+            raise EngineRestartingError(next(iter(self.engine_errors.values())).error, wait)
 
     @property
     def restarting(self) -> bool:

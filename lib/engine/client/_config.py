@@ -26,11 +26,16 @@ class LLMConfig:
     # Engine processes, each with its own rings, scheduler, KV cache (and TP group).
     data_parallel_size: int = 1
     # A dead engine is started again at most this often within the window (0: never; the
-    # server's default is 3 in 300 s, `--max-engine-restarts`); its open requests fail.
+    # server's default is 3 in 300 s, `--max-engine-restarts`); its open requests resume.
     max_engine_restarts: int = 0
     engine_restart_window: float = 300.0
+    # Seconds a request arriving while every engine restarts waits for one; past that it
+    # raises `EngineRestartingError` (HTTP: 503 with Retry-After).
+    engine_restart_wait: float = 30.0
 
     def __post_init__(self) -> None:
+        if self.engine_restart_wait < 0:
+            raise ValueError(f"engine_restart_wait must be >= 0, got {self.engine_restart_wait}")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.watchdog_timeout != 0 and self.watchdog_timeout < MIN_WATCHDOG_TIMEOUT:

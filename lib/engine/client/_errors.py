@@ -23,6 +23,20 @@ class EngineDeadError(RuntimeError):
             self.__cause__ = RemoteTraceback(error.traceback)
 
 
+class EngineRestartingError(EngineDeadError):
+    """Every engine is restarting and did not come back within `engine_restart_wait`: the
+    request was not sent (HTTP: 503 with Retry-After); retrying after `retry_after` s may
+    find the engine serving again."""
+
+    def __init__(self, error: RemoteError, waited: float, retry_after: int = 5) -> None:
+        super().__init__(error)
+        self.retry_after = retry_after
+        self.args = (
+            f"the engine is restarting (after: {death_message(error)}) and was not back "
+            f"within {waited:g} s (--engine-restart-wait); retry in {retry_after} s",
+        )
+
+
 class RequestFailedError(ValueError):
     """The engine refused one request (its grammar did not compile in time, ...): the
     caller's 400; the engine and the other requests go on."""

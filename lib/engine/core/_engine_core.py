@@ -50,6 +50,9 @@ class EngineCore:
         self._needs_flush = False  # aborts to report even if nothing else runs
         self._rejected: list[int] = []  # invalid ADDs: reported as ERROR rows
         self._grammars: Grammars | None = None  # made at the first structured request
+        # The requests of the step being executed (None between steps): if the step raises,
+        # the DEAD record names them (`RemoteError.step_rnums`).
+        self.step_rnums: list[int] | None = None
 
     def start(self) -> None:
         """Executor (weights) -> KV cache size -> scheduler -> READY (DESIGN.md §6)."""
@@ -101,12 +104,14 @@ class EngineCore:
     def _step(self) -> None:
         self._needs_flush = False
         batch = self.scheduler.schedule()
+        self.step_rnums = batch.scheduled_rnums.tolist()
         masks = None
         if len(batch.grammar_rnums) and self._grammars is not None:
             masks = self._grammars.start_masks(self.scheduler.grammar_states(batch))
         output = self.executor.execute(batch, masks)
         self._drain_requests(block=False)  # aborts that arrived meanwhile drop their tokens
         result = self.scheduler.update_from_output(batch, output)
+        self.step_rnums = None
         self._write(result)
         self.step += 1
 

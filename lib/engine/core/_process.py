@@ -70,6 +70,7 @@ def main(argv: list[str]) -> int:
         Heartbeat(outputs),  # from before the model loads: see `_heartbeat`
     ):
         executor: Executor | None = None
+        core: EngineCore | None = None
         try:
             if args.config.cpu_threads:
                 import torch
@@ -82,6 +83,8 @@ def main(argv: list[str]) -> int:
             return 0
         except BaseException as exc:
             cause = root_cause(exc)
+            if core is not None and core.step_rnums is not None:
+                cause = msgspec.structs.replace(cause, step_rnums=core.step_rnums)
             with contextlib.suppress(Exception):  # the frontend is gone or stuck: exit anyway
                 outputs.send(P.DEAD, msgspec.msgpack.encode(cause), timeout=5.0)
             print(cause.traceback or cause.describe(), file=sys.stderr)

@@ -12,6 +12,8 @@ class RemoteError(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
 
     `where` names the process: "engine", "worker rank 1", ...; `exit_code` and `signal` are
     set when a process exited (the supervisor saw it), the rest when an exception was caught.
+    `step_rnums` lets the frontend tell a request that kills every engine it runs on (a
+    poison request) from the ones that merely shared its batch.
     """
 
     where: str
@@ -21,6 +23,9 @@ class RemoteError(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
     exit_code: int | None = None
     signal: int | None = None
     function: str = ""  # where the exception was raised: "Class.method (file.py:line)"
+    # The requests (rnums) of the step that raised, when the death came from inside a step
+    # (the engine's own exception or a worker rank's); None: unknown (a signal, a stall).
+    step_rnums: list[int] | None = None
 
     def describe(self) -> str:
         """One line naming the cause: what raised or how the process ended, and where."""
