@@ -186,6 +186,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--null-step-time", type=float, default=0.0, help="the null executor's step time, s"
     )
+    dev = serve.add_argument_group("control endpoints (development; docs/debugging.md)")
+    dev.add_argument(
+        "--enable-dev-endpoints",
+        action="store_true",
+        help="serve POST /sleep, /wake_up, /pause, /resume, /reset_prefix_cache, "
+        "/start_profile, /stop_profile and GET /is_sleeping, /is_paused (vLLM's "
+        "VLLM_SERVER_DEV_MODE); behind --api-key when set",
+    )
+    dev.add_argument(
+        "--profiler-dir", help="where POST /start_profile's torch profiler traces are written"
+    )
     bench = commands.add_parser("bench", help="benchmarks (from a source checkout)")
     bench_commands = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     bench_commands.add_parser(
@@ -290,6 +301,8 @@ def serve_main(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         chat_template=args.chat_template,
+        enable_dev_endpoints=args.enable_dev_endpoints,
+        profiler_dir=args.profiler_dir,
     )
     if args.headless:
         from .engine.core import run_node_agent

@@ -9,6 +9,9 @@ persistent rows.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 from collections.abc import Callable
 
 import numpy as np
@@ -63,6 +66,8 @@ class ModelRunner:
         self._fault_step = at if rank == tp.rank and kind == "forward" else -1
         self._fault_token = at if rank == tp.rank and kind == "token" else -1
         self._num_steps = 0
+        self._asleep_blocks: int | None = None  # the KV cache's size while asleep
+        self._weights_offloaded = False  # sleep level 2 on CUDA: the weights are on the host
         eos = model_config.eos_token_ids
         self.eos_token_id = eos[0] if eos else None
 
@@ -111,6 +116,32 @@ class ModelRunner:
             )
             for _ in range(cfg.num_layers)
         ]
+
+    # -- sleep mode ------------------------------------------------------------------------
+
+    def sleep(self, level: int) -> None:
+        """Drop the KV cache and the graphs over it, and return the memory (level 2 on CUDA:
+        the weights move to host memory too). Remembers the size for `wake_up`."""
+        if not self.kv_caches:
+            raise RuntimeError("sleep() without a KV cache (asleep already, or not started)")
+        self._asleep_blocks = int(self.kv_caches[0][0].shape[0])
+        self.graphs = None  # they hold the cache's (and the weights') addresses
+        self.kv_caches = []
+        if level >= 2 and self.device.type == "cuda" and self.model is not None:
+            self.model.to("cpu")
+            self._weights_offloaded = True
+        release_memory(self.device)
+
+    def wake_up(self) -> int:
+        """Bring the weights back (after level 2); return the KV cache's size in blocks, which
+        the caller allocates again (`Worker.init_kv_cache`)."""
+        if self._asleep_blocks is None:
+            raise RuntimeError("wake_up() without sleep()")
+        if self._weights_offloaded and self.model is not None:
+            self.model.to(self.device)
+            self._weights_offloaded = False
+        blocks, self._asleep_blocks = self._asleep_blocks, None
+        return blocks
 
     def _attention_backend(self, kv_heads: int) -> AttentionBackend:
         cfg = self.model_config
@@ -344,6 +375,21 @@ class ModelRunner:
                 start + 1, logprobs.cpu().numpy(), _numpy(topk_ids), _numpy(topk_logprobs)
             )
         return result
+
+
+def release_memory(device: torch.device) -> None:
+    """Give freed tensor memory back: CUDA's caching allocator to the driver; on CPU,
+    glibc's free pages to the kernel (`malloc_trim`: freed chunks below the mmap threshold
+    stay in the heap, counted in RSS, until trimmed)."""
+    gc.collect()  # a cycle may still hold a tensor
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    name = ctypes.util.find_library("c")
+    if name is not None:
+        libc = ctypes.CDLL(name)
+        if hasattr(libc, "malloc_trim"):  # glibc only
+            libc.malloc_trim(0)
 
 
 def _numpy(tensor: torch.Tensor | None) -> np.ndarray | None:

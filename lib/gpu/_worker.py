@@ -134,6 +134,16 @@ class Worker:
     ) -> RunnerOutput:
         return self.runner.execute(batch, masks)
 
+    def sleep(self, level: int) -> None:
+        """Free the KV cache (and its CUDA graphs); level 2 also moves the weights to host
+        memory (on CPU they are there already, so level 2 is level 1)."""
+        self.runner.sleep(level)
+
+    def wake_up(self) -> None:
+        """The weights back on the device, a zeroed KV cache of the old size, the graphs
+        captured again (on CUDA: they point at the old cache)."""
+        self.init_kv_cache(self.runner.wake_up())
+
     def shutdown(self) -> None:
         """Leave the process group (idempotent)."""
         if self.world_size > 1 and dist.is_initialized():

@@ -17,6 +17,8 @@ command (broadcast ring)  payload                               reply (result ri
                                                                 (`RunnerOutputCodec`); others
                                                                 nothing
 ``CMD_SHUTDOWN``          empty                                 none; the process exits 0
+``CMD_SLEEP``             u64 sleep level (1 or 2)              ``REPLY_OK`` empty
+``CMD_WAKE_UP``           empty                                 ``REPLY_OK`` empty
 ========================  ====================================  ============================
 
 Any exception ends the process with exit code 1 after one ``REPLY_FAILURE`` record:
@@ -36,6 +38,7 @@ import traceback
 from typing import Final
 
 import msgspec
+import setproctitle
 import torch
 import trio
 
@@ -50,6 +53,8 @@ CMD_LOAD: Final = 1
 CMD_INIT_KV: Final = 2
 CMD_STEP: Final = 3
 CMD_SHUTDOWN: Final = 4
+CMD_SLEEP: Final = 5
+CMD_WAKE_UP: Final = 6
 REPLY_NUM_BLOCKS: Final = 101
 REPLY_OK: Final = 102
 REPLY_OUTPUT: Final = 103
@@ -118,6 +123,14 @@ class _Server:
                 worker.load_model()
                 num_blocks = U64.pack(worker.num_available_kv_blocks())
                 self.reply(REPLY_NUM_BLOCKS, num_blocks + msgspec.msgpack.encode(worker.kernels))
+            elif kind in (CMD_SLEEP, CMD_WAKE_UP):
+                level = U64.unpack_from(payload)[0] if kind == CMD_SLEEP else 0
+                commands.release()
+                if level:
+                    worker.sleep(level)
+                else:
+                    worker.wake_up()
+                self.reply(REPLY_OK, b"")
             elif kind == CMD_SHUTDOWN:
                 worker.shutdown()
                 return
@@ -152,6 +165,7 @@ def report_failure(results: RingWriter, rank: int, exc: BaseException) -> None:
 def run(args: WorkerProcessArgs) -> int:
     """Attach both rings, serve commands, and return the exit code (1 after a failure)."""
     die_with_parent(args.parent_pid)
+    setproctitle.setproctitle(f"trillm::worker_{args.rank}")  # `ps` and py-spy show the rank
     # Ctrl-C in a terminal reaches the whole process group; the executor decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if args.config.torch_device().type == "cpu":  # ranks share the cores, not each take all

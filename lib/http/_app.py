@@ -28,6 +28,7 @@ from ..engine.client import (
     RequestFailedError,
     StructuredOutputError,
 )
+from ._dev_endpoints import DevEndpoints
 from ._errors import RequestError, error_body, not_found, overloaded, too_large, unauthorized
 from ._generate import Generation
 from ._metrics import Metrics
@@ -71,6 +72,8 @@ class ServeConfig:
     tool_call_parser: str = "hermes"  # the tool-call format (the only one: Hermes)
     reasoning_parser: str | None = None  # "deepseek_r1", "qwen3": split off <think>
     stream_interval: int = 1  # tokens per streamed chunk, at least (the last may have fewer)
+    enable_dev_endpoints: bool = False  # the control routes of `_dev_endpoints`
+    profiler_dir: str | None = None  # where /start_profile's traces go
 
 
 class App:
@@ -91,6 +94,10 @@ class App:
             ("POST", "/v1/completions"): self._completions,
             ("POST", "/v1/chat/completions"): self._chat,
         }
+        self.dev: DevEndpoints | None = None
+        if config.enable_dev_endpoints:
+            self.dev = DevEndpoints(llm, config.profiler_dir)
+            self._routes.update(self.dev.routes())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -268,6 +275,8 @@ class App:
             )
         if self.llm.error is not None:  # before a stream's 200 starts
             raise RequestError(503, str(self.llm.error), "server_error")
+        if self.dev is not None:
+            self.dev.refuse_if_asleep()
         if self.generation.draining:
             raise RequestError(
                 503, "the server is shutting down", "server_error", headers={"Retry-After": "5"}

@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass
 
 import msgspec.structs
+import setproctitle
 import trio
 from hypercorn.config import Config as HypercornConfig
 
@@ -57,6 +58,7 @@ async def run_server(
         EngineDeadError: the engine died (after the grace period, or at shutdown if kept
             alive); the message names the root cause.
     """
+    setproctitle.setproctitle("trillm::api")  # `ps` and py-spy name the frontend
     async with open_llm(config.llm) as llm:
         metrics = Metrics(config.http.served_model_name, len(llm.engines))
         metrics.set_cache_config(
@@ -168,6 +170,8 @@ def build_config(
     master_port: int | None = None,
     headless: bool = False,
     distributed_timeout: float = 120.0,
+    enable_dev_endpoints: bool = False,
+    profiler_dir: str | None = None,
 ) -> ServerConfig:
     if engine_death_grace < 0:
         raise ValueError(f"--engine-death-grace must be >= 0 seconds, got {engine_death_grace}")
@@ -180,6 +184,10 @@ def build_config(
         raise ValueError(
             f"--node-rank {node_rank} runs only its worker ranks: add --headless (the server "
             f"and the engine run on node 0)"
+        )
+    if profiler_dir is not None and not enable_dev_endpoints:
+        raise ValueError(
+            "--profiler-dir is for POST /start_profile, a dev endpoint: add --enable-dev-endpoints"
         )
     if nnodes > 1 and data_parallel_size > 1:
         raise ValueError("--nnodes > 1 with --data-parallel-size > 1 is not supported")
@@ -218,6 +226,8 @@ def build_config(
             enable_auto_tool_choice=enable_auto_tool_choice,
             tool_call_parser=tool_call_parser,
             reasoning_parser=reasoning_parser,
+            enable_dev_endpoints=enable_dev_endpoints,
+            profiler_dir=profiler_dir,
         ),
         LLMConfig(
             engine,

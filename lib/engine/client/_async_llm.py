@@ -258,12 +258,23 @@ class AsyncLLM:
             grammar = after_reasoning(grammar, self.config.reasoning_parser)
         return grammar
 
-    async def utility(self, method: str, engine: int | None = None) -> object:
-        """Call an allow-listed engine utility (reset_prefix_cache, stats, ping) on `engine`
-        (default: the first live one)."""
+    async def utility(
+        self, method: str, engine: int | None = None, args: list[object] | None = None
+    ) -> object:
+        """Call an allow-listed engine utility (`UTILITY_METHODS`: reset_prefix_cache, stats,
+        sleep, pause, start_profile, ...) with `args` on `engine` (default: the first live one).
+
+        Raises:
+            ValueError: `method` is not on the allow-list (it never reaches the engine), or
+                the engine refused the call; the message says why.
+        """
+        if method not in P.UTILITY_METHODS:
+            raise ValueError(
+                f"unknown utility method {method!r}: one of {', '.join(sorted(P.UTILITY_METHODS))}"
+            )
         self._check_alive()
         target = self._live_engine(engine)
-        ok, result = await target.utility(next(self._rnums), method)
+        ok, result = await target.utility(next(self._rnums), method, args)
         if target.dead:
             self._raise_engine_error(target)
         if not ok:

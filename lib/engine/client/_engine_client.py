@@ -70,7 +70,10 @@ class EngineClient:
         # `spawn_engine` forks from this thread, not a trio worker thread as
         # `trio.lowlevel.open_process` would: the engine's parent-death signal follows the
         # forking *thread*, which trio reaps when idle (the engine was SIGKILLed ~10 s in).
-        self.process, self.requests, self.outputs = spawn_engine(self.config)
+        config = self.config
+        if self.name != "engine":  # one of several: it names its process by its index
+            config = msgspec.structs.replace(config, data_parallel_rank=self.index)
+        self.process, self.requests, self.outputs = spawn_engine(config)
         self._pidfd = os.pidfd_open(self.process.pid)
         nursery.start_soon(self._supervise)
 
@@ -148,12 +151,15 @@ class EngineClient:
         """Room in the request ring (the caller holds `_send_lock`: one waiter at a time)."""
         return await self.requests.reserve_async(size)
 
-    async def utility(self, call_id: int, method: str) -> tuple[bool, object]:
+    async def utility(
+        self, call_id: int, method: str, args: list[object] | None = None
+    ) -> tuple[bool, object]:
         """(ok, result) of an engine utility; (False, None) when the engine died meanwhile."""
         event = trio.Event()
         self._utility_waiters[call_id] = (event, [])
         try:
-            await self.send(P.UTILITY, self._encoder.encode(P.UtilityCall(call_id, method)))
+            call = P.UtilityCall(call_id, method, args or [])
+            await self.send(P.UTILITY, self._encoder.encode(call))
             await event.wait()
         finally:
             result = self._utility_waiters.pop(call_id)[1]

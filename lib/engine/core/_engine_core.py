@@ -8,16 +8,26 @@ tokens), updates, and writes one STEP record for every request that moved.
 Structured outputs: a request with a grammar waits while it compiles in `Grammars`' threads
 (the loop polls them each iteration, and naps at most `GRAMMAR_POLL_S` on the ring while
 only compiles are pending); each step's grammar masks are computed while the forward runs.
+
+Control calls (UTILITY, `_utility`): `pause` stops scheduling and stepping (requests stay
+queued or running and go on at `resume`; ADD and ABORT are still read). `sleep` aborts the
+requests in flight (as vLLM's default mode), forgets the prefix cache (its blocks' contents
+are about to go) and has the executor free the KV cache (level 2: the weights go to host
+memory too); asleep, nothing steps until `wake_up`. Paused or asleep, aborts are still
+reported, by a STEP record without a forward (`_flush`). `start_profile` / `stop_profile`
+wrap this process in a torch profiler and write a Chrome trace.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import msgspec
 import numpy as np
 
+from ...gpu import RunnerOutput, StepBatch
 from ...transport_shm import BusyError, RingReader, RingWriter
 from ..protocol import _messages as P
 from ..protocol._config import EngineConfig
@@ -29,6 +39,11 @@ from ._scheduler import InvalidRequestError, Scheduler, SchedulerConfig, StepRes
 
 IDLE_POLL_S = 1.0
 GRAMMAR_POLL_S = 0.002  # the longest nap on the ring while a grammar compiles
+SLEEP_LEVELS = (1, 2)
+
+
+class UtilityError(ValueError):
+    """A control call refused (bad arguments, wrong state); its message goes to the caller."""
 
 
 class EngineCore:
@@ -53,6 +68,14 @@ class EngineCore:
         # The requests of the step being executed (None between steps): if the step raises,
         # the DEAD record names them (`RemoteError.step_rnums`).
         self.step_rnums: list[int] | None = None
+        self.is_paused = False  # `pause`: nothing is scheduled until `resume`
+        self.sleep_level = 0  # `sleep`: 1 or 2 while asleep (no KV cache), 0 awake
+        self._profiler: Any = None  # a running torch.profiler.profile
+        self._profile_path = ""
+
+    @property
+    def can_step(self) -> bool:
+        return not self.is_paused and not self.sleep_level
 
     def start(self) -> None:
         """Executor (weights) -> KV cache size -> scheduler -> READY (DESIGN.md §6)."""
@@ -87,7 +110,8 @@ class EngineCore:
         """Step until a SHUTDOWN is done: drained (or its deadline passed), or aborted."""
         while True:
             self._admit_compiled()
-            busy = self.scheduler.has_schedulable_requests() or self._needs_flush
+            schedulable = self.can_step and self.scheduler.has_schedulable_requests()
+            busy = schedulable or self._needs_flush
             compiling = self._grammars is not None and self._grammars.num_pending > 0
             # Idle and draining: nothing is left to wait for (blocking here cost a 1 s poll).
             self._drain_requests(
@@ -96,8 +120,10 @@ class EngineCore:
             )
             if self._draining_until is not None and time.monotonic() >= self._draining_until:
                 self._abort_all()
-            if self.scheduler.has_schedulable_requests() or self._needs_flush:
+            if self.can_step and (self.scheduler.has_schedulable_requests() or self._needs_flush):
                 self._step()
+            elif self._needs_flush:  # paused or asleep: report the aborts without a step
+                self._flush()
             elif self._draining_until is not None and not self.scheduler.has_unfinished_requests():
                 return
 
@@ -113,6 +139,13 @@ class EngineCore:
         result = self.scheduler.update_from_output(batch, output)
         self.step_rnums = None
         self._write(result)
+        self.step += 1
+
+    def _flush(self) -> None:
+        """Report aborts and rejected ADDs without scheduling (paused or asleep)."""
+        self._needs_flush = False
+        empty = RunnerOutput(np.zeros(0, np.uint64), np.zeros(0, np.int32))
+        self._write(self.scheduler.update_from_output(StepBatch(self.step), empty))
         self.step += 1
 
     def _write(self, result: StepResult) -> None:
@@ -200,7 +233,8 @@ class EngineCore:
             self._utility(self._utility_decoder.decode(payload))
         elif kind == P.SHUTDOWN:
             shutdown = self._shutdown_decoder.decode(payload)
-            if shutdown.mode == "abort":
+            self.is_paused = False  # a drain steps what is left
+            if shutdown.mode == "abort" or self.sleep_level:  # asleep, nothing can step
                 self._abort_all()
                 self._draining_until = time.monotonic()
             else:
@@ -246,16 +280,99 @@ class EngineCore:
         self._abort(self.scheduler.unfinished_rnums())
 
     def _utility(self, call: P.UtilityCall) -> None:
-        if call.method not in P.UTILITY_METHODS:
-            result: object = f"unknown utility method {call.method!r}"
-            ok = False
-        elif call.method == "reset_prefix_cache":
-            result, ok = self.scheduler.reset_prefix_cache(), True
-        elif call.method == "stats":
-            result, ok = msgspec.to_builtins(self.scheduler.statistics()), True
-        else:
-            result, ok = "pong", True
+        """Answer a control call; a refused one (`UtilityError`) answers ok=False with why."""
+        result: object
+        try:
+            result, ok = self._call(call.method, call.args), True
+        except UtilityError as exc:
+            result, ok = str(exc), False
         self._send_event(P.Event("utility_result", call_id=call.call_id, ok=ok, result=result))
+
+    def _call(self, method: str, args: list[object]) -> object:
+        if method not in P.UTILITY_METHODS:
+            raise UtilityError(f"unknown utility method {method!r}")
+        if method == "reset_prefix_cache":
+            return self.scheduler.reset_prefix_cache()
+        if method == "stats":
+            return msgspec.to_builtins(self.scheduler.statistics())
+        if method == "sleep":
+            return self._sleep(args[0] if args else 1)
+        if method == "wake_up":
+            return self._wake_up()
+        if method == "is_sleeping":
+            return self.sleep_level
+        if method in ("pause", "resume"):
+            self.is_paused = method == "pause"
+            return len(self.scheduler.unfinished_rnums())
+        if method == "is_paused":
+            return self.is_paused
+        if method == "start_profile":
+            return self._start_profile(str(args[0]) if args else "")
+        if method == "stop_profile":
+            return self._stop_profile()
+        return "pong"
+
+    def _sleep(self, level: object) -> int:
+        """Abort what is in flight, forget the prefix cache, free the KV cache (and at level
+        2 move the weights to host memory); return how many requests were aborted."""
+        if not isinstance(level, int) or level not in SLEEP_LEVELS:
+            raise UtilityError(f"sleep level must be 1 or 2, got {level!r}")
+        if self.sleep_level:
+            if level == self.sleep_level:
+                return 0
+            raise UtilityError(
+                f"the engine is asleep at level {self.sleep_level}: wake it up before "
+                f"sleeping at level {level}"
+            )
+        aborted = self.scheduler.unfinished_rnums()
+        self._abort(aborted)
+        self.scheduler.reset_prefix_cache()  # no block is held now, so this cannot refuse
+        self.executor.sleep(level)
+        self.sleep_level = level
+        return len(aborted)
+
+    def _wake_up(self) -> int:
+        """Reallocate the KV cache (and bring the weights back); return the level left."""
+        level = self.sleep_level
+        if level:
+            self.executor.wake_up()
+            self.sleep_level = 0
+        return level
+
+    def _start_profile(self, directory: str) -> str:
+        """Start a torch profiler over this process; return the trace file it will write."""
+        if not directory:
+            raise UtilityError("start_profile needs a directory for the trace (--profiler-dir)")
+        if self._profiler is not None:
+            raise UtilityError(f"a profile is running already (to {self._profile_path})")
+        import torch.profiler
+
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as exc:
+            raise UtilityError(
+                f"cannot create the profiler directory {directory!r}: {exc}"
+            ) from None
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # the model is here
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        rank = self.config.data_parallel_rank
+        engine = "engine" if rank is None else f"engine_{rank}"
+        name = f"trillm-{engine}-{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S')}.pt.trace.json"
+        profiler = torch.profiler.profile(activities=activities)
+        profiler.start()
+        self._profiler, self._profile_path = profiler, os.path.join(directory, name)
+        return self._profile_path
+
+    def _stop_profile(self) -> str:
+        """Stop the profiler and write its Chrome trace; return the file's path."""
+        profiler, path = self._profiler, self._profile_path
+        if profiler is None:
+            raise UtilityError("no profile is running: start one first (POST /start_profile)")
+        self._profiler = None
+        profiler.stop()
+        profiler.export_chrome_trace(path)
+        return path
 
     def _send_event(self, event: P.Event) -> None:
         self.outputs.send(P.EVENT, self._encoder.encode(event), timeout=self.config.output_timeout)

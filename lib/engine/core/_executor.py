@@ -57,6 +57,13 @@ class Executor(abc.ABC):
     def check_health(self) -> None:  # noqa: B027 - most executors have nothing to check
         """Raise `WorkerDiedError` if a worker died while the engine was idle."""
 
+    def sleep(self, level: int) -> None:  # noqa: B027 - the null executor holds nothing
+        """Free the KV cache on every rank (level 2: the weights go to host memory too).
+        No step runs until `wake_up`; the KV cache's contents are lost."""
+
+    def wake_up(self) -> None:  # noqa: B027
+        """Undo `sleep`: weights back on the device, a fresh KV cache of the same size."""
+
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Stop the workers and free what they hold (idempotent)."""
@@ -96,6 +103,12 @@ class UniprocExecutor(Executor):
             return self.worker.execute(batch, masks)
         except Exception as exc:
             raise failure_error(WorkerFailure.from_exception(0, exc)) from exc
+
+    def sleep(self, level: int) -> None:
+        self.worker.sleep(level)
+
+    def wake_up(self) -> None:
+        self.worker.wake_up()
 
     def shutdown(self) -> None:
         self.worker.shutdown()

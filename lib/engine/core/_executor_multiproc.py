@@ -174,10 +174,7 @@ class MultiprocExecutor(Executor):
                 self.kernels = msgspec.msgpack.decode(reply[W.U64.size :], type=KernelChoice)
             rank.results.release()
         num_blocks = min(counts)
-        self._broadcast(W.CMD_INIT_KV, W.U64.pack(num_blocks))
-        for rank in self._ranks:
-            self._reply(rank, W.REPLY_OK)
-            rank.results.release()
+        self._on_every_rank(W.CMD_INIT_KV, W.U64.pack(num_blocks))
         # The ranks have read the model already, so this cannot fail for a reason they missed.
         load_format = "gguf" if self.config.load_format == "gguf" else "dummy"
         self.model_config = open_model(self.config.model, load_format)[0]
@@ -200,6 +197,22 @@ class MultiprocExecutor(Executor):
             return self._output_codec.decode(payload)  # copies out of the ring
         finally:
             rank0.results.release()
+
+    def sleep(self, level: int) -> None:
+        """Every rank frees its KV cache (level 2: and moves its weights to host memory)."""
+        self._check_usable()
+        self._on_every_rank(W.CMD_SLEEP, W.U64.pack(level))
+
+    def wake_up(self) -> None:
+        """Every rank brings its weights back and allocates its KV cache again."""
+        self._check_usable()
+        self._on_every_rank(W.CMD_WAKE_UP, b"")
+
+    def _on_every_rank(self, kind: int, data: bytes) -> None:
+        self._broadcast(kind, data)
+        for rank in self._ranks:
+            self._reply(rank, W.REPLY_OK)
+            rank.results.release()
 
     def check_health(self) -> None:
         """Raise `WorkerDiedError` if a rank failed or exited while the engine was idle."""

@@ -16,6 +16,7 @@ import sys
 import traceback
 
 import msgspec
+import setproctitle
 
 from ...gpu import open_model
 from ...gpu._failure import raised_in
@@ -60,8 +61,16 @@ def root_cause(exc: BaseException) -> RemoteError:
     )
 
 
+def process_title(config: EngineConfig) -> str:
+    """`trillm::engine`, or `trillm::engine_<i>` for data-parallel engine i: `ps` and
+    py-spy tell the processes apart (DESIGN.md §1; docs/debugging.md)."""
+    rank = config.data_parallel_rank
+    return "trillm::engine" if rank is None else f"trillm::engine_{rank}"
+
+
 def main(argv: list[str]) -> int:
     args = msgspec.json.decode(argv[1], type=EngineArgs)
+    setproctitle.setproctitle(process_title(args.config))
     die_with_parent(args.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with (

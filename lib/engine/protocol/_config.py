@@ -48,6 +48,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
     distributed_timeout: float = 120.0  # seconds for every node to join
+    # Which of the frontend's data-parallel engines this is (None: the only one); it names
+    # the process (`trillm::engine_<i>`) and its profiler traces.
+    data_parallel_rank: int | None = None
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:

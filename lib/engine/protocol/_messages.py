@@ -46,7 +46,23 @@ ENGINE_MAIN: Final = "trillm.engine.core"
 HEARTBEAT_INTERVAL: Final = 0.1  # seconds between the engine's beats
 MIN_WATCHDOG_TIMEOUT: Final = 5 * HEARTBEAT_INTERVAL  # a shorter one would fire on jitter
 
-UTILITY_METHODS: Final = frozenset({"reset_prefix_cache", "stats", "ping"})
+# The engine's control calls (`EngineCore._utility`); the frontend refuses any other name.
+# sleep: args [level 1|2]; start_profile: args [directory, file name prefix].
+UTILITY_METHODS: Final = frozenset(
+    {
+        "reset_prefix_cache",
+        "stats",
+        "ping",
+        "sleep",
+        "wake_up",
+        "is_sleeping",
+        "pause",
+        "resume",
+        "is_paused",
+        "start_profile",
+        "stop_profile",
+    }
+)
 
 
 class AddHeader(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
@@ -64,9 +80,11 @@ class AddHeader(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, f
 
 
 class UtilityCall(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """A control call; answered by an `Event("utility_result", call_id, ok, result)`."""
+
     call_id: int
-    method: str
-    args: list[object] = []
+    method: str  # one of UTILITY_METHODS
+    args: list[object] = []  # positional, per method (sleep: [level])
 
 
 class Shutdown(msgspec.Struct, array_like=True, gc=False, frozen=True):
