@@ -14,6 +14,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "open_llm": "trillm.engine.client._async_llm",
     "AsyncLLM": "trillm.engine.client._async_llm",
+    "LLM": "trillm.engine.client._llm",
+    "RequestOutput": "trillm.engine.client._request_output",
+    "CompletionOutput": "trillm.engine.client._request_output",
     "LLMConfig": "trillm.engine.client._config",
     "PromptTooLongError": "trillm.engine.client._errors",
     "SamplingParams": "trillm.engine.client._sampling_params",

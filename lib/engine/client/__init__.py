@@ -1,4 +1,5 @@
-"""The frontend's engine client: `open_llm`, `AsyncLLM`, streams, detokenisation (DESIGN.md §8).
+"""The frontend's engine client: `open_llm`, `AsyncLLM`, streams, detokenisation (DESIGN.md §8),
+and `LLM`, the synchronous offline API on the same engine process and rings.
 
 Everything here runs in the API-server process. It starts the engine process by its entry
 point name and speaks to it only through `..protocol`; it imports nothing from `..core`.
@@ -16,8 +17,12 @@ from ._errors import EngineRestartingError as EngineRestartingError
 from ._errors import PromptTooLongError as PromptTooLongError
 from ._errors import RequestFailedError as RequestFailedError
 from ._launch import EngineStartError as EngineStartError
+from ._llm import LLM as LLM
 from ._outputs import Output as Output
 from ._outputs import TokenLogprob as TokenLogprob
+from ._request_output import CompletionOutput as CompletionOutput
+from ._request_output import Logprob as Logprob
+from ._request_output import RequestOutput as RequestOutput
 from ._sampling_params import SamplingParams as SamplingParams
 from ._sampling_params import SamplingParamsError as SamplingParamsError
 from ._streams import RequestStream as RequestStream

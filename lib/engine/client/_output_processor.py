@@ -3,7 +3,9 @@
 Per row: append the tokens, detokenise incrementally, check stop strings (holding back text
 that could still become one), finish, and put the new output into the request's mailbox.
 Mailboxes are woken together after the pass. Requests that a stop string ended are returned,
-so the caller aborts them in the engine.
+so the caller aborts them in the engine. EVENT records about one request (its prompt
+logprobs, its own failure) go through `process_event`. Nothing here waits: the trio pump and
+the synchronous client (`_sync_client`) share it.
 """
 
 from __future__ import annotations
@@ -12,8 +14,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from ..protocol import _messages as P
 from ..protocol._step_record import StepView
 from ._detokenizer import IncrementalDetokenizer, StopChecker
+from ._errors import RequestFailedError
 from ._outputs import FINISH_REASONS, Mailbox, Output, TokenLogprob
 
 
@@ -149,6 +155,18 @@ class OutputProcessor:
             out.append(TokenLogprob(int(view.tokens[t]), logprob, top))
         return out
 
+    def process_event(self, event: P.Event) -> None:
+        """Apply a request's EVENT: a chunk of its prompt logprobs, or its own failure (the
+        engine refused it alone). Utility results are the caller's."""
+        if event.kind == "prompt_logprobs":
+            state = self.states.get(event.rnum)
+            if state is not None and state.mailbox.put(prompt_logprobs_output(state, event)):
+                state.mailbox.wake()
+        elif event.kind == "request_error":
+            state = self.states.pop(event.rnum, None)
+            if state is not None and state.mailbox.fail(RequestFailedError(str(event.result))):
+                state.mailbox.wake()
+
     def fail_engine(self, engine: int, error: BaseException) -> None:
         """Every open request of `engine` raises `error`: one pass, then the wake-ups."""
         failed = [s for s in self.states.values() if s.engine == engine]
@@ -164,3 +182,20 @@ class OutputProcessor:
         self.states.clear()
         for mailbox in to_wake:
             mailbox.wake()
+
+
+def prompt_logprobs_output(state: RequestState, event: P.Event) -> Output:
+    """An output carrying one chunk of prompt logprobs (None for the first prompt token)."""
+    logprobs = np.frombuffer(event.logprobs, "<f4").tolist()
+    k = event.k
+    top_ids = np.frombuffer(event.topk_ids, "<i4").reshape(-1, k).tolist() if k else None
+    top_lps = np.frombuffer(event.topk_logprobs, "<f4").reshape(-1, k).tolist() if k else None
+    first = event.first_position
+    entries: list[TokenLogprob | None] = [None] if first == 1 else []
+    for i, logprob in enumerate(logprobs):
+        token = state.prompt_token_ids[first + i]
+        top = list(zip(top_ids[i], top_lps[i], strict=True)) if top_ids and top_lps else []
+        entries.append(TokenLogprob(token, logprob, top))
+    return Output(
+        state.index, "", [], num_prompt_tokens=state.num_prompt_tokens, prompt_logprobs=entries
+    )

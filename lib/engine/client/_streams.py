@@ -1,15 +1,13 @@
-"""What `AsyncLLM` hands out and reads in: request streams, prompt-logprob outputs, tokenizers."""
+"""What `AsyncLLM` hands out and reads in: request streams, tokenizers (`prompt_logprobs_output`
+lives in `_output_processor` now, with the rest of the per-record work; re-exported here)."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-import numpy as np
-
-from ..protocol import _messages as P
-from ._output_processor import RequestState
-from ._outputs import Mailbox, Output, TokenLogprob
+from ._output_processor import prompt_logprobs_output as prompt_logprobs_output
+from ._outputs import Mailbox, Output
 
 
 class RequestStream:
@@ -36,23 +34,6 @@ class RequestStream:
         if output.finished:
             self._unfinished -= 1
         return output
-
-
-def prompt_logprobs_output(state: RequestState, event: P.Event) -> Output:
-    """An output carrying one chunk of prompt logprobs (None for the first prompt token)."""
-    logprobs = np.frombuffer(event.logprobs, "<f4").tolist()
-    k = event.k
-    top_ids = np.frombuffer(event.topk_ids, "<i4").reshape(-1, k).tolist() if k else None
-    top_lps = np.frombuffer(event.topk_logprobs, "<f4").reshape(-1, k).tolist() if k else None
-    first = event.first_position
-    entries: list[TokenLogprob | None] = [None] if first == 1 else []
-    for i, logprob in enumerate(logprobs):
-        token = state.prompt_token_ids[first + i]
-        top = list(zip(top_ids[i], top_lps[i], strict=True)) if top_ids and top_lps else []
-        entries.append(TokenLogprob(token, logprob, top))
-    return Output(
-        state.index, "", [], num_prompt_tokens=state.num_prompt_tokens, prompt_logprobs=entries
-    )
 
 
 def load_tokenizer(path: str) -> Any:

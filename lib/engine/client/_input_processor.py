@@ -1,0 +1,97 @@
+"""The frontend's input side without an event loop: prompts to checked token ids, chat
+templates, and the per-child `RequestState` the output processor fills (DESIGN.md §1's
+InputProcessor).
+
+Nothing here waits, so the synchronous `LLM` uses it as is. `AsyncLLM` holds the same logic
+as methods of its own (`tokenize`, `check_length`, `apply_chat_template`, `_new_state`);
+moving it onto this class is a follow-up, kept out of a change made while `_async_llm` was
+being edited by another hand.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ..protocol import _messages as P
+from ._detokenizer import IncrementalDetokenizer, StopChecker
+from ._errors import PromptTooLongError
+from ._output_processor import RequestState
+from ._outputs import Mailbox
+from ._sampling_params import SamplingParams
+
+
+class InputProcessor:
+    """Tokenises and checks prompts for one engine (its vocabulary and maximum length)."""
+
+    def __init__(self, tokenizer: Any, ready: P.Ready, chat_template: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.ready = ready
+        self._backend = tokenizer.backend_tokenizer
+        self._chat_template = chat_template  # a template's text, else the tokenizer's own
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        """`prompt` as token ids (text is tokenised; ids are checked against the vocabulary).
+
+        Raises:
+            ValueError: an empty prompt or a token id outside the vocabulary.
+        """
+        if isinstance(prompt, str):
+            ids: list[int] = self.tokenizer(prompt)["input_ids"]
+        else:
+            ids = list(prompt)
+            vocab = self.ready.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if not ids:
+            raise ValueError("the prompt is empty: send at least one token")
+        return ids
+
+    def check_length(self, num_prompt: int, params: SamplingParams) -> int:
+        """The request's max_tokens, checked against the model's maximum length.
+
+        Raises:
+            PromptTooLongError: prompt + max_tokens exceed it (the message quotes both).
+        """
+        limit = self.ready.max_model_len
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - num_prompt
+        if num_prompt + max_tokens > limit or max_tokens < 1:
+            raise PromptTooLongError(
+                f"the prompt has {num_prompt} tokens and max_tokens is {max_tokens}: together "
+                f"{num_prompt + max_tokens}, more than the model's maximum length {limit}; "
+                f"shorten the prompt or lower max_tokens"
+            )
+        return max_tokens
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        """The chat template over `messages`, ready for the assistant's reply, as text."""
+        text: str = self.tokenizer.apply_chat_template(
+            messages, chat_template=self._chat_template, tokenize=False, add_generation_prompt=True
+        )
+        return text
+
+    def chat_ids(self, text: str) -> list[int]:
+        """A rendered chat's token ids (the template wrote its special tokens itself)."""
+        ids: list[int] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids
+
+    def new_state(
+        self, rnum: int, mailbox: Mailbox, index: int, token_ids: list[int], params: SamplingParams
+    ) -> RequestState:
+        """The frontend's state of child `index` of a request, numbered `rnum`."""
+        stops = params.stop_strings
+        return RequestState(
+            rnum=rnum,
+            index=index,
+            mailbox=mailbox,
+            detokenizer=IncrementalDetokenizer(
+                self._backend, token_ids, skip_special_tokens=params.skip_special_tokens
+            ),
+            stop=StopChecker(stops, params.include_stop_str_in_output) if stops else None,
+            num_prompt_tokens=len(token_ids),
+            prompt_token_ids=token_ids,
+            logprobs=params.logprobs,
+            arrival_time=time.monotonic(),
+        )

@@ -1,0 +1,289 @@
+"""`trillm.LLM`: offline batches without an event loop, named and shaped like `vllm.LLM`.
+
+    with trillm.LLM() as llm:  # the built-in default model
+        for result in llm.generate(["Hello, my name is"] * 100, SamplingParams(max_tokens=16)):
+            print(result.outputs[0].text)
+
+It runs the server's engine process and rings through `SyncEngineClient` (blocking waits with
+timeouts, no trio), and the frontend's per-record pieces as they are: `InputProcessor`,
+`OutputProcessor` (detokeniser, stop strings), `SamplingParams.child_options`. A batch is
+checked whole, sent whole, then pumped until every request finished, with a tqdm bar over
+requests; results come back in prompt order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import numbers
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+from tqdm import tqdm  # type: ignore[import-untyped]
+
+from ._engine_args import offline_config
+from ._errors import EngineDeadError
+from ._input_processor import InputProcessor
+from ._output_processor import OutputProcessor, RequestState
+from ._outputs import Mailbox
+from ._request_output import RequestOutput, completion_output, prompt_logprobs
+from ._sampling_params import SamplingParams
+from ._streams import load_tokenizer
+from ._sync_client import SyncEngineClient
+
+# A prompt: text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}.
+Prompt = str | Sequence[int] | Mapping[str, Any]
+Conversation = list[dict[str, Any]]
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    prompt: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    mailbox: Mailbox
+    states: list[RequestState]
+    unfinished: int
+
+
+class LLM:
+    """A model on an engine process, for batches of prompts from synchronous code.
+
+    Args:
+        model: a Hugging Face model directory or a GGUF file; None for the built-in default
+            (SmolLM2-135M-Instruct, as `trillm serve`).
+        **engine_args: settings of the worker, engine and frontend configs by name (dtype,
+            max_model_len, max_num_seqs, seed, tensor_parallel_size, enable_prefix_caching,
+            kv_cache_bytes, ...; `_engine_args` lists them).
+
+    Raises:
+        TypeError: an unknown engine argument (the message lists the known ones).
+        ValueError: an engine argument out of range.
+        EngineStartError: the engine failed before READY, with its own message.
+
+    Close it (`close()`, or use it as a context manager): the engine is shut down and its
+    shared memory released. Build it on a thread that outlives it (see `SyncEngineClient`).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.config = offline_config(model, engine_args)
+        self._processor = OutputProcessor()
+        self._rnums = itertools.count(1)
+        self._request_ids = itertools.count()
+        self._decoded: dict[int, str] = {}
+        config = self.config
+        self._client = SyncEngineClient(
+            config.engine, self._processor, watchdog_timeout=config.watchdog_timeout
+        )
+        try:
+            tokenizer_error: Exception | None = None
+            try:  # while the engine loads its weights
+                tokenizer = load_tokenizer(config.tokenizer or config.engine.worker.model)
+                template = None
+                if config.chat_template is not None:
+                    with open(config.chat_template) as f:
+                        template = f.read()
+            except Exception as exc:  # the engine's own error, if any, says more: first
+                tokenizer_error = exc
+            ready = self._client.wait_ready(config.start_timeout)
+            if tokenizer_error is not None:
+                raise tokenizer_error
+        except BaseException:
+            self._client.shutdown(0, drain=False)
+            raise
+        self._inputs = InputProcessor(tokenizer, ready, template)
+
+    # -- requests --------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete every prompt; one `RequestOutput` per prompt, in order.
+
+        Args:
+            prompts: one prompt or a sequence of them (a flat sequence of ints is one prompt
+                of token ids).
+            sampling_params: one for all, or one per prompt; None is `SamplingParams()`.
+            use_tqdm: show a progress bar over the requests.
+
+        Raises:
+            EngineDeadError: the engine died, naming the root cause (every later call too).
+            PromptTooLongError, SamplingParamsError, ValueError: a bad prompt or parameter;
+                nothing of the batch was sent.
+            RequestFailedError: the engine refused one request (the rest were aborted).
+        """
+        items = _as_list(prompts)
+        inputs = [self._tokenize(p) for p in items]
+        return self._run(inputs, self._params(sampling_params, len(items)), use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """`generate` on the chat template (`chat_template`, else the model's) applied to one
+        conversation or to each of a sequence of them, ready for the assistant's reply."""
+        self._check_open()
+        one = bool(messages) and isinstance(messages[0], Mapping)
+        conversations: Sequence[Conversation] = [messages] if one else messages  # type: ignore[list-item,assignment]
+        texts = [self._inputs.render_chat(list(c)) for c in conversations]
+        inputs: list[tuple[str | None, list[int]]] = [
+            (text, self._inputs.chat_ids(text)) for text in texts
+        ]
+        return self._run(inputs, self._params(sampling_params, len(inputs)), use_tqdm)
+
+    def get_tokenizer(self) -> Any:
+        """The model's Hugging Face tokenizer."""
+        return self._inputs.tokenizer
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        self._check_open()
+        if isinstance(prompt, str):
+            return prompt, self._inputs.tokenize(prompt)
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._inputs.tokenize(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self._inputs.tokenize(prompt["prompt"])
+            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got {prompt!r}")
+        return None, self._inputs.tokenize(prompt)
+
+    @staticmethod
+    def _params(
+        given: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+    ) -> list[SamplingParams]:
+        if given is None or isinstance(given, SamplingParams):
+            return [given or SamplingParams()] * num_prompts
+        if len(given) != num_prompts:
+            raise ValueError(
+                f"{len(given)} sampling params for {num_prompts} prompts: give one for all, "
+                f"or one per prompt"
+            )
+        return list(given)
+
+    def _run(
+        self,
+        inputs: list[tuple[str | None, list[int]]],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        self._check_open()
+        self._client.check_alive()
+        requests = [
+            self._request(text, ids, p) for (text, ids), p in zip(inputs, params, strict=True)
+        ]
+        open_rnums: dict[int, _Request] = {}  # rnum -> its request, until that child ends
+        states = self._processor.states
+        with tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm) as bar:
+            try:
+                for request in requests:
+                    self._send(request, open_rnums)
+                started, done_prompt = time.monotonic(), 0
+                first_generated = self._processor.stats.generation_tokens
+                while open_rnums:
+                    self._client.pump()
+                    if len(states) == len(open_rnums):
+                        continue  # no child ended
+                    for rnum in [r for r in open_rnums if r not in states]:
+                        request = open_rnums.pop(rnum)
+                        if request.mailbox.error is not None:
+                            raise request.mailbox.error
+                        request.unfinished -= 1
+                        if not request.unfinished:
+                            done_prompt += len(request.token_ids)
+                            bar.update(1)
+                    elapsed = max(time.monotonic() - started, 1e-9)
+                    generated = self._processor.stats.generation_tokens - first_generated
+                    bar.set_postfix_str(
+                        f"est. speed input: {done_prompt / elapsed:.2f} toks/s, "
+                        f"output: {generated / elapsed:.2f} toks/s",
+                        refresh=False,
+                    )
+            finally:
+                self._abandon(list(open_rnums))
+        return [self._result(request) for request in requests]
+
+    def _request(self, text: str | None, ids: list[int], params: SamplingParams) -> _Request:
+        """A request checked whole before anything of its batch is sent."""
+        if params.structured_outputs is not None:
+            raise ValueError(
+                "structured_outputs is not supported by trillm.LLM yet: use trillm serve or "
+                "trillm.open_llm"
+            )
+        max_tokens = self._inputs.check_length(len(ids), params)
+        vocab = self._inputs.ready.vocab_size
+        params.child_options(0, vocab_size=vocab)  # token ids in range (raises)
+        return _Request(text, ids, params, max_tokens, Mailbox(), [], params.n)
+
+    def _send(self, request: _Request, open_rnums: dict[int, _Request]) -> None:
+        vocab = self._inputs.ready.vocab_size
+        for index in range(request.params.n):
+            rnum = next(self._rnums)
+            state = self._inputs.new_state(
+                rnum, request.mailbox, index, request.token_ids, request.params
+            )
+            request.states.append(state)
+            self._processor.states[rnum] = state
+            open_rnums[rnum] = request
+            options = request.params.child_options(index, vocab_size=vocab)
+            self._client.send_add(rnum, options, request.max_tokens, request.token_ids)
+        self._processor.stats.prompt_tokens += len(request.token_ids) * request.params.n
+
+    def _abandon(self, rnums: list[int]) -> None:
+        """Forget unfinished children (an error or an interrupt ended the batch); abort them."""
+        for rnum in rnums:
+            self._processor.states.pop(rnum, None)
+        if rnums and self._client.error is None:
+            with contextlib.suppress(EngineDeadError):  # its requests are gone with it
+                self._client.send_abort(rnums)
+
+    def _result(self, request: _Request) -> RequestOutput:
+        outputs = [request.mailbox.pending[i] for i in range(request.params.n)]
+        return RequestOutput(
+            str(next(self._request_ids)),
+            request.prompt,
+            request.token_ids,
+            prompt_logprobs(outputs[0], self._decode),
+            [completion_output(output, self._decode) for output in outputs],
+            num_cached_tokens=outputs[0].num_cached_tokens,
+        )
+
+    def _decode(self, token_id: int) -> str:
+        text = self._decoded.get(token_id)
+        if text is None:
+            text = self._decoded[token_id] = self._inputs.tokenizer.decode([token_id])
+        return text
+
+    def _check_open(self) -> None:
+        if self._client.error is not None and self._client.is_closed:
+            raise trio.ClosedResourceError("this LLM was closed: make a new trillm.LLM")
+
+    # -- life ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Shut the engine down (draining for at most `shutdown_timeout`), release its shared
+        memory. A second call does nothing."""
+        self._client.shutdown(self.config.shutdown_timeout)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str | Mapping):
+        return [prompts]
+    items: list[Any] = list(prompts)
+    if items and isinstance(items[0], numbers.Integral):
+        return [items]  # one prompt of token ids
+    return items
