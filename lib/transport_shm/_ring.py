@@ -169,6 +169,11 @@ class _RingEnd:
     def _peers_attached(self) -> bool:
         return all(self._ctl[w + L.OFF_ATTACHED] for w in self._all_words)
 
+    @property
+    def peers_attached(self) -> bool:
+        """Whether every other end has attached (`wait_attached` returns at once)."""
+        return self._peers_attached()
+
     def wait_attached(self, timeout: float | None = None) -> None:
         """Block until every other end has attached, then unlink the segment's name.
 

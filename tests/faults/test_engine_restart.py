@@ -65,6 +65,55 @@ async def test_a_killed_engine_is_restarted_and_the_server_serves_again(model: P
         assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"trillm-{engine}-")]
 
 
+async def test_a_request_waits_for_the_restart_up_to_its_bound_then_gets_503_retry_after(
+    model: Path,
+) -> None:
+    """While the engine restarts, a request waits for it; past `--engine-restart-wait` it gets
+    503 with Retry-After (the restart goes on: here its successor is held stopped). Once the
+    successor runs again, the server serves."""
+    args = ("--max-engine-restarts", "2", "--engine-restart-wait", "0.5")
+    with served(model, *args, "--engine-watchdog-timeout", "30") as server:
+        engine = server.engine_pid()
+        os.kill(engine, signal.SIGKILL)
+
+        def successor() -> bool:
+            # Stopped after its exec (its command line is no longer the server's): stopped
+            # between fork and exec, it would hold the server's Popen, not just the restart.
+            new = [pid for pid in children(server.pid) if pid != engine]
+            if new and cmdline(new[0]) not in (b"", cmdline(server.pid)):
+                os.kill(new[0], signal.SIGSTOP)  # long before its model is loaded
+                successors.append(new[0])
+            return bool(successors)
+
+        successors: list[int] = []
+        await trio.to_thread.run_sync(lambda: wait_for(successor, 30, "a new engine"))
+        try:
+            started = time.monotonic()
+            reply = await trio.to_thread.run_sync(lambda: completion(server, max_tokens=4))
+            waited = time.monotonic() - started
+            assert reply.status_code == 503, reply.text
+            assert reply.headers["retry-after"] == "5"
+            message = reply.json()["error"]["message"]
+            assert message.startswith("the engine is restarting (after: engine process killed by")
+            assert "not back within 0.5 s (--engine-restart-wait)" in message
+            assert 0.5 <= waited < 5
+        finally:
+            os.kill(successors[0], signal.SIGCONT)
+        await trio.to_thread.run_sync(
+            lambda: wait_for(lambda: health(server.base_url) == 200, 90, "the restart")
+        )
+        reply = await trio.to_thread.run_sync(lambda: completion(server, max_tokens=4))
+        assert reply.status_code == 200
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return b""
+
+
 def metrics_text(server: Served) -> str:
     return httpx.get(f"{server.base_url}/metrics", timeout=10).text
 

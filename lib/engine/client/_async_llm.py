@@ -13,20 +13,16 @@ engine is dead, every later call raises it at once.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
-import os
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-import msgspec
 import trio
 
 from ..protocol import _messages as P
-from ..protocol._config import EngineConfig
 from ..protocol._errors import RemoteError
 from ._config import LLMConfig
 from ._detokenizer import IncrementalDetokenizer, StopChecker
@@ -36,6 +32,7 @@ from ._launch import EngineStartError
 from ._output_processor import OutputProcessor, RequestState
 from ._outputs import Mailbox, Output
 from ._restarts import RestartPolicy
+from ._resume import judge, poison_error, release_quarantined, resend
 from ._router import EngineRouter
 from ._sampling_params import SamplingParams
 from ._streams import RequestStream, load_tokenizer
@@ -131,6 +128,7 @@ class AsyncLLM:
                 except trio.BrokenResourceError:
                     self._raise_engine_error(engine)
                     raise
+                state.on_engine = True
             self._processor.stats.prompt_tokens += len(token_ids) * params.n
             yield RequestStream(mailbox, params.n)
         finally:
@@ -328,31 +326,9 @@ class AsyncLLM:
 
     # -- life ----------------------------------------------------------------------------
 
-    def _engine_configs(self) -> list[EngineConfig]:
-        """One config per data-parallel engine: on CUDA each takes the next TP-size GPUs."""
-        engine = self.config.engine
-        worker = engine.worker
-        size = self.config.data_parallel_size
-        if size == 1:
-            return [engine]
-        device = worker.torch_device()  # "auto" resolved: CUDA when there is one
-        if device.type != "cuda":  # one CPU: the engines split its cores
-            cores = len(os.sched_getaffinity(0))
-            threads = max(1, cores // (size * engine.tensor_parallel_size))
-            return [msgspec.structs.replace(engine, cpu_threads=threads)] * size
-        base = device.index or 0
-        step = engine.tensor_parallel_size
-        return [
-            msgspec.structs.replace(
-                engine,
-                worker=dataclasses.replace(worker, device=f"cuda:{base + i * step}"),
-            )
-            for i in range(size)
-        ]
-
     async def _start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
-        configs = self._engine_configs()
+        configs = self.config.engine_configs()
         for i, config in enumerate(configs):
             name = "engine" if len(configs) == 1 else f"engine {i}"
             engine = EngineClient(i, name, config, self._processor, self._on_engine_death)
@@ -369,7 +345,8 @@ class AsyncLLM:
             tokenizer_error = exc
         deadline = trio.current_time() + self.config.start_timeout
         for engine in self.engines:
-            await engine.wait_ready(max(0.0, deadline - trio.current_time()))
+            remaining = max(0.0, deadline - trio.current_time())
+            await engine.wait_ready(remaining, self.config.watchdog_timeout)
         self.ready = self.engines[0].ready
         if tokenizer_error is not None:
             raise tokenizer_error
@@ -409,34 +386,35 @@ class AsyncLLM:
         self._final_death(dead)
 
     def _suspend(self, engine: int, dead: EngineDeadError) -> int:
-        """Keep `engine`'s open requests for its restart, but fail those open at an earlier
-        death too (a request that kills every engine it runs on must not kill them all)."""
-        held = 0
-        for state in [s for s in self._processor.states.values() if s.engine == engine]:
-            state.deaths += 1
-            if state.deaths < 2:
-                held += 1
-                continue
+        """Keep `engine`'s open requests for its restart, but fail a poison request
+        (`_resume.judge`: the one request at the last two deaths, or a quarantined one that
+        killed it alone)."""
+        held = [s for s in self._processor.states.values() if s.engine == engine]
+        judgement = judge(held, dead.error.step_rnums)
+        to_wake = []
+        for state in judgement.poison:
             del self._processor.states[state.rnum]
-            poison = EngineDeadError(dead.error)
-            poison.args = (f"{dead} (this request was open at the engine's previous death too "
-                           f"and was resumed once; it is not resumed again)",)  # fmt: skip
-            if state.mailbox.fail(poison):
-                state.mailbox.wake()
-        return held
+            if state.mailbox.fail(poison_error(dead, state)):
+                to_wake.append(state.mailbox)
+        for mailbox in to_wake:
+            mailbox.wake()
+        for state in judgement.poison:
+            print(f"trillm: request {state.rnum} was in the engine's batch at {state.deaths} "
+                  f"deaths in a row: it fails with the cause, not resumed again",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        if judgement.quarantined:
+            print(f"trillm: {len(judgement.quarantined)} requests shared the engine's batch at "
+                  f"its last deaths: each resumes alone among them (quarantine), to find the "
+                  f"cause", file=sys.stderr, flush=True)  # fmt: skip
+        return len(held) - len(judgement.poison)
 
     async def _resume(self, engine: EngineClient) -> None:
-        """Send the restarted engine every request it held: prompt + tokens streamed so far,
-        the same budget; a seeded request continues from a derived seed (seed + tokens)."""
+        """Send the restarted engine every request it held (`_resume.resend`), the
+        quarantined ones one at a time, each after the last ended."""
         for state in [s for s in self._processor.states.values() if s.engine == engine.index]:
-            options = state.options
-            if state.token_ids:
-                seed = None if options.seed is None else options.seed + len(state.token_ids)
-                options = msgspec.structs.replace(options, seed=seed, prompt_logprobs=None)
-            ids = [*state.prompt_token_ids, *state.token_ids]
-            await engine.send_add(
-                state.rnum, options, state.max_tokens, ids, state.grammar, len(state.token_ids)
-            )
+            if not state.quarantined:
+                await resend(engine, state)
+        self._nursery.start_soon(release_quarantined, engine, self._processor)
 
     def _final_death(self, dead: EngineDeadError) -> None:
         if not self.live_engines() and not self._restarting and self._dead is None:
@@ -454,7 +432,7 @@ class AsyncLLM:
         started = time.monotonic()
         try:
             engine.spawn(self._nursery)
-            await engine.wait_ready(self.config.start_timeout)
+            await engine.wait_ready(self.config.start_timeout, self.config.watchdog_timeout)
         except EngineStartError as exc:  # dying while starting: never again, in a loop
             print(f"trillm: the restarted {engine.name} failed to start: {exc}", file=sys.stderr,
                   flush=True)  # fmt: skip

@@ -3,7 +3,11 @@ process uses (tokenizer, start and shutdown deadlines, the watchdog)."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
+
+import msgspec
 
 from ..protocol._config import EngineConfig
 from ..protocol._messages import MIN_WATCHDOG_TIMEOUT
@@ -43,3 +47,26 @@ class LLMConfig:
                 f"the engine watchdog timeout must be 0 (off) or at least "
                 f"{MIN_WATCHDOG_TIMEOUT} s (the heartbeat's jitter), got {self.watchdog_timeout}"
             )
+
+    def engine_configs(self) -> list[EngineConfig]:
+        """One config per data-parallel engine: on CUDA each takes the next TP-size GPUs; on
+        one CPU the engines split its cores."""
+        engine = self.engine
+        worker = engine.worker
+        size = self.data_parallel_size
+        if size == 1:
+            return [engine]
+        device = worker.torch_device()  # "auto" resolved: CUDA when there is one
+        if device.type != "cuda":
+            cores = len(os.sched_getaffinity(0))
+            threads = max(1, cores // (size * engine.tensor_parallel_size))
+            return [msgspec.structs.replace(engine, cpu_threads=threads)] * size
+        base = device.index or 0
+        step = engine.tensor_parallel_size
+        return [
+            msgspec.structs.replace(
+                engine,
+                worker=dataclasses.replace(worker, device=f"cuda:{base + i * step}"),
+            )
+            for i in range(size)
+        ]

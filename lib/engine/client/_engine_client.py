@@ -21,6 +21,7 @@ import msgspec
 import numpy as np
 import trio
 
+from ...gpu._process import process_state
 from ..protocol import _messages as P
 from ..protocol._config import EngineConfig
 from ..protocol._errors import RemoteError
@@ -56,6 +57,7 @@ class EngineClient:
         self._exit_error: RemoteError | None = None
         self._exited = trio.Event()
         self._watchdog_scope = trio.CancelScope()  # cancelled at death: the rings may close
+        self._start_stalled: float | None = None  # seconds silent, when start-up stalled
 
     def named(self, error: RemoteError) -> RemoteError:
         """The cause with this engine's name in it ("engine 1", "worker rank 1 of engine 1")."""
@@ -77,21 +79,37 @@ class EngineClient:
         self._pidfd = os.pidfd_open(self.process.pid)
         nursery.start_soon(self._supervise)
 
-    async def wait_ready(self, timeout: float) -> P.Ready:
-        """READY from the engine, or `EngineStartError` with its cause (named)."""
-        with trio.move_on_after(timeout) as scope:
-            try:
-                await self.requests.wait_attached_async()
-                await self.outputs.wait_attached_async()
-                kind, payload = await self.outputs.peek_async()
-            except trio.BrokenResourceError:
-                kind, payload = await self._last_words()
-            data = bytes(payload)
-            self.outputs.release()
-        if scope.cancelled_caught:
+    async def wait_ready(self, timeout: float, watchdog_timeout: float = 0.0) -> P.Ready:
+        """READY from the engine, or `EngineStartError` with its cause (named).
+
+        A start-up that stops responding for `watchdog_timeout` (0: never) is killed, and
+        that is the cause (`_watch_start`); a slow one is waited for up to `timeout`.
+        """
+        records: list[tuple[int, memoryview]] = []  # READY, DEAD: what the engine said
+        failed: list[EngineStartError] = []  # it exited without a word
+        with trio.move_on_after(timeout):
+            async with trio.open_nursery() as nursery:
+                if watchdog_timeout:
+                    nursery.start_soon(self._watch_start, watchdog_timeout, nursery.cancel_scope)
+                try:
+                    records.append(await self._first_record())
+                except EngineStartError as exc:  # raised from the body it would be grouped
+                    failed.append(exc)
+                finally:
+                    nursery.cancel_scope.cancel()
+        if failed:
+            raise failed[0]
+        if not records and self._start_stalled is not None:
+            error = not_responding_error(self.process.pid, self._start_stalled, watchdog_timeout)
+            self.process.kill()  # the supervisor reaps it; its workers die with it
+            raise EngineStartError(self.named(error))
+        if not records:
             raise EngineStartError(
                 self.named(RemoteError("engine", "TimeoutError", f"not ready in {timeout} s"))
             )
+        kind, payload = records[0]
+        data = bytes(payload)
+        self.outputs.release()
         if kind == P.DEAD:
             raise EngineStartError(self.named(msgspec.msgpack.decode(data, type=RemoteError)))
         if kind != P.READY:
@@ -100,6 +118,37 @@ class EngineClient:
             )
         self.ready = msgspec.msgpack.decode(data, type=P.Ready)
         return self.ready
+
+    async def _first_record(self) -> tuple[int, memoryview]:
+        try:
+            await self.requests.wait_attached_async()
+            await self.outputs.wait_attached_async()
+            return await self.outputs.peek_async()
+        except trio.BrokenResourceError:
+            return await self._last_words()
+
+    async def _watch_start(self, timeout: float, scope: trio.CancelScope) -> None:
+        """Cancel `scope` once the start-up stopped responding for `timeout` s.
+
+        The engine beats the output ring's heartbeat from just after it attaches (before
+        the model loads: a long load beats). Before that (the interpreter and its imports)
+        it cannot beat, so there silence means a stopped process (/proc state T).
+        """
+        period = min(timeout / 4, 0.5)
+        stopped_at: float | None = None
+        while not self.outputs.peers_attached:
+            await trio.sleep(period)
+            now = trio.current_time()
+            if not process_state(self.process.pid).startswith("T"):
+                stopped_at = None
+            elif stopped_at is None:
+                stopped_at = now
+            elif now - stopped_at >= timeout:
+                self._start_stalled = now - stopped_at
+                scope.cancel()
+                return
+        self._start_stalled = await wait_heartbeat_stopped(self.outputs, timeout)
+        scope.cancel()
 
     def start_tasks(self, nursery: trio.Nursery, watchdog_timeout: float) -> None:
         nursery.start_soon(self._pump)

@@ -131,9 +131,8 @@ def test_engines_on_one_cpu_split_its_cores(tiny_dir: Path) -> None:
     """Two engines of torch's default threads each oversubscribe the cores (dp_bench: 0.25x
     one engine on 2 cores): each gets its share instead."""
     worker = WorkerConfig(str(tiny_dir), device="cpu")
-    llm = AsyncLLM(LLMConfig(EngineConfig(worker=worker), data_parallel_size=2))
-    configs = llm._engine_configs()
+    configs = LLMConfig(EngineConfig(worker=worker), data_parallel_size=2).engine_configs()
     assert len(configs) == 2
     assert {c.cpu_threads for c in configs} == {max(1, len(os.sched_getaffinity(0)) // 2)}
-    alone = AsyncLLM(LLMConfig(EngineConfig(worker=worker)))._engine_configs()
+    alone = LLMConfig(EngineConfig(worker=worker)).engine_configs()
     assert [c.cpu_threads for c in alone] == [0]  # one engine: torch's default

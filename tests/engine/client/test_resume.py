@@ -1,0 +1,96 @@
+"""`judge`: which request a death is blamed on, told from its batch-mates (no processes)."""
+
+from __future__ import annotations
+
+from trillm.engine.client._errors import EngineDeadError
+from trillm.engine.client._output_processor import RequestState
+from trillm.engine.client._outputs import Mailbox
+from trillm.engine.client._resume import judge, poison_error
+from trillm.engine.protocol import RemoteError
+
+
+def states(n: int) -> list[RequestState]:
+    return [
+        RequestState(
+            rnum=r,
+            index=0,
+            mailbox=Mailbox(),
+            detokenizer=None,  # type: ignore[arg-type]
+            stop=None,
+            num_prompt_tokens=1,
+            logprobs=None,
+            arrival_time=0.0,
+            on_engine=True,
+        )
+        for r in range(1, n + 1)
+    ]
+
+
+def send(held: list[RequestState]) -> None:
+    """What a restart does: every request but the quarantined goes back on the engine."""
+    for state in held:
+        state.on_engine = not state.quarantined
+
+
+def test_one_death_blames_nobody() -> None:
+    held = states(3)
+    verdict = judge(held, [1, 2, 3])
+    assert verdict.resume == held and not verdict.quarantined and not verdict.poison
+    assert [s.deaths for s in held] == [1, 1, 1]
+
+
+def test_the_only_request_at_two_deaths_in_a_row_is_poison() -> None:
+    held = states(3)
+    judge(held, [1, 2, 3])
+    send(held)
+    verdict = judge(held, [2])  # 1 and 3 were not in the step: cleared
+    assert [s.rnum for s in verdict.poison] == [2]
+    assert [s.rnum for s in verdict.resume] == [1, 3]
+    assert [s.deaths for s in verdict.resume] == [0, 0]
+
+
+def test_a_death_without_a_step_blames_every_request() -> None:
+    held = states(1)
+    judge(held, None)
+    send(held)
+    assert [s.rnum for s in judge(held, None).poison] == [1]
+
+
+def test_batch_mates_at_two_deaths_are_quarantined_then_the_lone_culprit_is_found() -> None:
+    held = states(4)
+    judge(held, [1, 2, 3, 4])
+    send(held)
+    verdict = judge(held, [1, 2, 3, 4])
+    assert not verdict.poison and verdict.quarantined == held and not verdict.resume
+    # The newest quarantined request runs alone (among them) and kills the engine again.
+    for state in held:
+        state.on_engine = state.rnum == 4
+    verdict = judge(held, [4])
+    assert [s.rnum for s in verdict.poison] == [4]
+    assert [s.rnum for s in verdict.resume] == [1, 2, 3]  # cleared: they resume together
+    assert not any(s.quarantined or s.deaths for s in verdict.resume)
+
+
+def test_a_quarantined_request_outside_the_failing_step_is_not_blamed() -> None:
+    held = states(3)
+    judge(held, [1, 2, 3])
+    send(held)
+    judge(held, [1, 2, 3])  # all quarantined
+    for state in held:
+        state.on_engine = state.rnum == 3
+    verdict = judge(held, [])  # a death in a step without it
+    assert not verdict.poison and held[2].deaths == 0 and held[0].deaths == 2
+    assert [s.rnum for s in verdict.quarantined] == [1, 2, 3]
+
+
+def test_the_poison_error_names_the_cause_and_the_resumes() -> None:
+    held = states(1)
+    judge(held, [1])
+    send(held)
+    (state,) = judge(held, [1]).poison
+    dead = EngineDeadError(RemoteError("engine", "InjectedFault", "boom"))
+    message = str(poison_error(dead, state))
+    assert message == (
+        "the engine died: InjectedFault in engine: boom (this request was in the engine's "
+        "batch at 2 deaths in a row and was resumed once; it is not resumed again)"
+    )
