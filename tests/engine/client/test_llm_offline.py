@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 
@@ -24,6 +25,7 @@ from trillm.engine.client import SamplingParams, SamplingParamsError
 from trillm.gpu import WorkerConfig
 
 from ...gpu.conftest import save_tiny
+from ...http.conftest import start_server
 from ...procs import children, is_dead
 
 pytestmark = pytest.mark.timeout(180)
@@ -89,6 +91,23 @@ def test_results_come_in_order_with_the_tokens_of_async_llm(llm: LLM, tiny_dir: 
     assert llm.generate([tokens], GREEDY)[0].outputs[0].token_ids == results[1].outputs[0].token_ids
 
 
+def test_greedy_text_equals_the_servers(llm: LLM, tiny_dir: Path) -> None:
+    results = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    server = start_server(tiny_dir)
+    try:
+        body = dict(model="tiny", max_tokens=8, temperature=0.0, ignore_eos=True)
+        texts = [
+            httpx.post(
+                f"{server.base_url}/v1/completions", json={**body, "prompt": p}, timeout=60
+            ).json()["choices"][0]["text"]
+            for p in PROMPTS
+        ]
+    finally:
+        server.stop()
+    assert [r.outputs[0].text for r in results] == texts
+    assert sum(bool(t) for t in texts) >= 3  # (the random model also samples special tokens)
+
+
 def test_n_gives_several_outputs_and_logprobs_take_vllms_shape(llm: LLM) -> None:
     params = SamplingParams(n=3, seed=7, max_tokens=6, ignore_eos=True, logprobs=2,
                             prompt_logprobs=1)  # fmt: skip
@@ -144,6 +163,17 @@ def test_one_sampling_params_per_prompt(llm: LLM) -> None:
     assert llm.generate([], GREEDY) == []
     # a refused batch sent nothing: the next one runs as usual
     assert len(llm.generate(["a"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
+
+
+def test_a_batch_larger_than_the_rings_completes(llm: LLM, tiny_dir: Path) -> None:
+    """64 ADDs (~13 KB) through a 4 KiB request ring and STEPs through a 16 KiB output ring:
+    while the request ring is full the client reads outputs, so neither side waits forever."""
+    prompts = [list(range(200 + 7 * i, 230 + 7 * i)) for i in range(64)]
+    expected = [r.outputs[0].token_ids for r in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    small = dict(TINY_ARGS, request_ring_bytes=1 << 12, output_ring_bytes=1 << 14)
+    with LLM(str(tiny_dir), **small) as cramped:  # type: ignore[arg-type]
+        got = cramped.generate(prompts, GREEDY, use_tqdm=False)
+    assert [r.outputs[0].token_ids for r in got] == expected
 
 
 def test_bad_engine_args_are_refused_before_any_process_starts(tiny_dir: Path) -> None:
