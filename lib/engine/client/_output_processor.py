@@ -42,12 +42,16 @@ class RequestState:
     finished: bool = False
     token_ids: list[int] = field(default_factory=list)
     engine: int = 0  # the data-parallel engine it runs on
-    # What resuming it on a restarted engine needs: its options, token budget, grammar, and
-    # how many engine deaths it was open at (a second one fails it: a poison request).
+    # What resuming it on a restarted engine needs: its options, token budget, grammar; how
+    # many engine deaths in a row it was in the failing step at, whether it is on the engine
+    # now (False while held for a restart or a quarantine turn) and whether it is quarantined
+    # (resumed alone among the suspects of a death: `_resume`).
     options: Any = None
     max_tokens: int = 0
     grammar: str = ""
     deaths: int = 0
+    on_engine: bool = False
+    quarantined: bool = False
 
 
 @dataclass(slots=True)
