@@ -68,7 +68,9 @@ class DevEndpoints:
     async def _reset_prefix_cache(self, scope: Scope, receive: Any, send: Send, extra: Any) -> None:
         if not all(await self._on_every_engine("reset_prefix_cache")):
             raise RequestError(
-                409, "the prefix cache is in use by requests in flight; retry when idle"
+                409,
+                "the prefix cache is in use by requests in flight; retry when idle",
+                "invalid_request_error",
             )
         await _respond(send, extra, {"reset": True})
 
