@@ -134,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
         "gets 503 with Retry-After",
     )
     serve.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="run the engine core on a thread of the API server's process (vLLM's "
+        "InprocClient), for debugging: one py-spy dump shows everything; no watchdog",
+    )
+    serve.add_argument(
         "--no-engine-restart",
         action="store_true",
         help="never start a dead engine again: answer 503 and exit after --engine-death-grace",
@@ -296,6 +302,7 @@ def serve_main(args: argparse.Namespace) -> int:
         max_engine_restarts=0 if args.no_engine_restart else args.max_engine_restarts,
         engine_restart_window=args.engine_restart_window,
         engine_restart_wait=args.engine_restart_wait,
+        engine_in_process=args.engine_in_process,
         structured_outputs_timeout=args.structured_outputs_timeout,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,

@@ -329,9 +329,12 @@ class AsyncLLM:
     async def _start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
         configs = self.config.engine_configs()
+        in_process = self.config.in_process
         for i, config in enumerate(configs):
             name = "engine" if len(configs) == 1 else f"engine {i}"
-            engine = EngineClient(i, name, config, self._processor, self._on_engine_death)
+            engine = EngineClient(
+                i, name, config, self._processor, self._on_engine_death, in_process=in_process
+            )
             self.engines.append(engine)
             engine.spawn(nursery)
         tokenizer_error: BaseException | None = None
@@ -346,12 +349,17 @@ class AsyncLLM:
         deadline = trio.current_time() + self.config.start_timeout
         for engine in self.engines:
             remaining = max(0.0, deadline - trio.current_time())
-            await engine.wait_ready(remaining, self.config.watchdog_timeout)
+            await engine.wait_ready(remaining, self._watchdog_timeout)
         self.ready = self.engines[0].ready
         if tokenizer_error is not None:
             raise tokenizer_error
         for engine in self.engines:
-            engine.start_tasks(nursery, self.config.watchdog_timeout)
+            engine.start_tasks(nursery, self._watchdog_timeout)
+
+    @property
+    def _watchdog_timeout(self) -> float:
+        """0 (off) for an in-process engine: a thread cannot be killed, nor stopped alone."""
+        return 0.0 if self.config.in_process else self.config.watchdog_timeout
 
     def _tokenizer_path(self) -> str:
         return self.config.tokenizer or self.config.engine.worker.model
@@ -426,13 +434,18 @@ class AsyncLLM:
         """Release the dead engine (process reaped, rings closed), start a new one, serve."""
         await old.shutdown(0)
         engine = EngineClient(
-            old.index, old.name, old.config, self._processor, self._on_engine_death
+            old.index,
+            old.name,
+            old.config,
+            self._processor,
+            self._on_engine_death,
+            in_process=old.in_process,
         )
         self.engines[old.index] = engine
         started = time.monotonic()
         try:
             engine.spawn(self._nursery)
-            await engine.wait_ready(self.config.start_timeout, self.config.watchdog_timeout)
+            await engine.wait_ready(self.config.start_timeout, self._watchdog_timeout)
         except EngineStartError as exc:  # dying while starting: never again, in a loop
             print(f"trillm: the restarted {engine.name} failed to start: {exc}", file=sys.stderr,
                   flush=True)  # fmt: skip
@@ -442,7 +455,7 @@ class AsyncLLM:
             self._processor.fail_engine(old.index, self.engine_errors[old.index])
             self._final_death(self.engine_errors[old.index])
             return
-        engine.start_tasks(self._nursery, self.config.watchdog_timeout)
+        engine.start_tasks(self._nursery, self._watchdog_timeout)
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             await self._resume(engine)  # if it died meanwhile, its death is being handled
         self._router.alive[old.index] = True

@@ -36,8 +36,17 @@ class LLMConfig:
     # Seconds a request arriving while every engine restarts waits for one; past that it
     # raises `EngineRestartingError` (HTTP: 503 with Retry-After).
     engine_restart_wait: float = 30.0
+    # The engine core on a thread of this process (`_inproc`, vLLM's InprocClient), for
+    # debugging: one py-spy dump shows everything. The watchdog is off (a thread cannot be
+    # killed); data parallelism is refused.
+    in_process: bool = False
 
     def __post_init__(self) -> None:
+        if self.in_process and self.data_parallel_size > 1:
+            raise ValueError(
+                f"an in-process engine is one engine: data_parallel_size must be 1 with "
+                f"in_process, got {self.data_parallel_size}"
+            )
         if self.engine_restart_wait < 0:
             raise ValueError(f"engine_restart_wait must be >= 0, got {self.engine_restart_wait}")
         if self.data_parallel_size < 1:

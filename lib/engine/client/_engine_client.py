@@ -27,6 +27,7 @@ from ..protocol._config import EngineConfig
 from ..protocol._errors import RemoteError
 from ..protocol._step_record import StepView
 from ._errors import RequestFailedError
+from ._inproc import EngineProcess, start_in_process
 from ._launch import EngineStartError, spawn_engine
 from ._output_processor import OutputProcessor
 from ._streams import prompt_logprobs_output
@@ -43,8 +44,11 @@ class EngineClient:
         config: EngineConfig,
         processor: OutputProcessor,
         on_death: Callable[[EngineClient, RemoteError], None],
+        *,
+        in_process: bool = False,
     ) -> None:
         self.index = index
+        self.in_process = in_process  # a thread of this process (`_inproc`), not a process
         self.name = name
         self.config = config
         self.processor = processor
@@ -58,6 +62,7 @@ class EngineClient:
         self._exited = trio.Event()
         self._watchdog_scope = trio.CancelScope()  # cancelled at death: the rings may close
         self._start_stalled: float | None = None  # seconds silent, when start-up stalled
+        self._thread_ended = trio.Event()  # an in-process engine returned
 
     def named(self, error: RemoteError) -> RemoteError:
         """The cause with this engine's name in it ("engine 1", "worker rank 1 of engine 1")."""
@@ -75,8 +80,20 @@ class EngineClient:
         config = self.config
         if self.name != "engine":  # one of several: it names its process by its index
             config = msgspec.structs.replace(config, data_parallel_rank=self.index)
-        self.process, self.requests, self.outputs = spawn_engine(config)
-        self._pidfd = os.pidfd_open(self.process.pid)
+        self.process: EngineProcess
+        if self.in_process:
+            token = trio.lowlevel.current_trio_token()
+            ended = self._thread_ended
+
+            def on_exit() -> None:  # from the engine's thread
+                with contextlib.suppress(trio.RunFinishedError):
+                    token.run_sync_soon(ended.set)
+
+            self.process, self.requests, self.outputs = start_in_process(config, on_exit)
+            self._pidfd: int | None = None
+        else:
+            self.process, self.requests, self.outputs = spawn_engine(config)
+            self._pidfd = os.pidfd_open(self.process.pid)
         nursery.start_soon(self._supervise)
 
     async def wait_ready(self, timeout: float, watchdog_timeout: float = 0.0) -> P.Ready:
@@ -217,19 +234,26 @@ class EngineClient:
     # -- life ------------------------------------------------------------------------------
 
     async def _supervise(self) -> None:
-        """Wait for the engine process to exit (its pidfd); then every ring waiter breaks."""
-        try:
-            await trio.lowlevel.wait_readable(self._pidfd)
-        except trio.ClosedResourceError:
-            return  # `shutdown` closed the pidfd: nothing is left to supervise
+        """Wait for the engine process to exit (its pidfd; an in-process engine's thread to
+        return); then every ring waiter breaks."""
+        if self._pidfd is None:
+            await self._thread_ended.wait()
+        else:
+            try:
+                await trio.lowlevel.wait_readable(self._pidfd)
+            except trio.ClosedResourceError:
+                return  # `shutdown` closed the pidfd: nothing is left to supervise
         code = self.process.wait()  # it exited: this reaps it at once
+        if code is None:
+            return  # an in-process engine left running by `shutdown` (a thread is not killed)
         self._exited.set()
         self._exit_error = (
             RemoteError("engine", signal=-code)
             if code < 0
             else RemoteError("engine", exit_code=code)
         )
-        reason = f"the {self.name} process " + (
+        what = "thread (in process)" if self.in_process else "process"
+        reason = f"the {self.name} {what} " + (
             f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         )
         for ring in (self.requests, self.outputs):
@@ -314,8 +338,10 @@ class EngineClient:
             if self.process.poll() is None:
                 self.process.kill()
             self.process.wait()
-            trio.lowlevel.notify_closing(self._pidfd)
-            os.close(self._pidfd)
+            self._thread_ended.set()  # an in-process engine: its supervisor stops waiting
+            if self._pidfd is not None:
+                trio.lowlevel.notify_closing(self._pidfd)
+                os.close(self._pidfd)
             self.die(RemoteError("engine", "EngineShutdown", "the engine was shut down"))
             self.requests.close()
             self.outputs.close()

@@ -10,6 +10,7 @@ from ._executor import NullExecutor as NullExecutor
 from ._executor import UniprocExecutor as UniprocExecutor
 from ._node_agent import NodeAgentError as NodeAgentError
 from ._node_agent import run_node_agent as run_node_agent
+from ._process import serve as serve
 from ._request import Request as Request
 from ._scheduler import Scheduler as Scheduler
 from ._scheduler import SchedulerConfig as SchedulerConfig

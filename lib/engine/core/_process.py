@@ -73,6 +73,14 @@ def main(argv: list[str]) -> int:
     setproctitle.setproctitle(process_title(args.config))
     die_with_parent(args.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return serve(args)
+
+
+def serve(args: EngineArgs) -> int:
+    """Attach the rings, start the heartbeat and the executor, run the busy loop; any
+    exception becomes one DEAD record naming the root cause, then 1. The engine process's
+    body, and the whole of an in-process engine (`--engine-in-process`: a thread of the
+    frontend's process, whose title, signals and parent are the frontend's own)."""
     with (
         RingReader.attach(args.request_ring) as requests,
         RingWriter.attach(args.output_ring) as outputs,
