@@ -39,6 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
         "onednn (or fail at load), aten (F.linear)",
     )
     serve.add_argument(
+        "--quantization",
+        "-q",
+        default="auto",
+        choices=["auto", "gguf", "none"],
+        help="gguf: keep a GGUF file's Q4_0/Q4_1/Q8_0 weights quantized in memory (int4 and "
+        "float16 CPU kernels, bfloat16 activations for int4); none: dequantise them to --dtype; "
+        "auto: gguf for a GGUF file on the CPU, else none",
+    )
+    serve.add_argument(
         "--attention-backend",
         default="auto",
         choices=["auto", "torch", "triton"],
@@ -264,6 +273,7 @@ def serve_main(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         cpu_linear=args.cpu_linear,
+        quantization=args.quantization,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         block_size=args.block_size,

@@ -5,7 +5,13 @@ For each dtype and batch size B, both generate N tokens greedily for B prompts o
 first step, then one decode step per token), transformers through `generate` (its prefill is
 timed as `generate(max_new_tokens=1)`, its decode as the rest). Medians of `--repeats` runs.
 
+With `--quantization none,gguf` (a list) trillm runs once per setting on the same GGUF file
+(the built-in SmolLM2 Q4_1 file by default), the settings interleaved run by run, against the
+first setting instead of transformers; it also prints each setting's bandwidth floor: the
+bytes of its weights over this machine's read bandwidth (a 1 GiB `torch.sum`).
+
     python perf/model_bench.py [--model DIR] [--batches 1,8,32] [--dtypes float32,bfloat16]
+    python perf/model_bench.py --quantization none,gguf [--model FILE.gguf] [--batches 1,32]
 """
 
 from __future__ import annotations
@@ -70,6 +76,82 @@ def hf_run(model: Any, batch: list[list[int]], new_tokens: int) -> tuple[float, 
     return prefill, max(total - prefill, 1e-9)
 
 
+def read_bandwidth(repeats: int = 7) -> float:
+    """Bytes per second a `torch.sum` of 1 GiB of float32 reads (the median of `repeats`)."""
+    data = torch.ones(1 << 28)
+    data.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - start)
+    return data.numel() * 4 / statistics.median(times)
+
+
+def quantization_main(args: argparse.Namespace) -> None:
+    """Each `--quantization` setting on the same GGUF file, interleaved, against the first."""
+    if args.model is None:
+        from trillm.gpu._default_model import find_default_gguf
+
+        args.model = str(find_default_gguf())
+    settings = args.quantization.split(",")
+    rows = []
+    bandwidth = read_bandwidth()
+    print(f"read bandwidth (1 GiB torch.sum): {bandwidth / 1e9:.1f} GB/s", flush=True)
+    for dtype in args.dtypes.split(","):
+        workers = {}
+        for q in settings:
+            config = WorkerConfig(
+                args.model, device="cpu", dtype=dtype, max_num_seqs=64, quantization=q
+            )
+            worker = workers[q] = Worker(config)
+            worker.init_device()
+            worker.load_model()
+            worker.init_kv_cache(worker.num_available_kv_blocks())
+            assert worker.runner.model is not None
+            model = worker.runner.model
+            read = model.decode_read_bytes()
+            print(
+                f"{dtype:<9} {q:<5} {worker.kernels.describe()}\n"
+                f"{'':15} weights {model.weight_bytes() / 1e6:.1f} MB, {read / 1e6:.1f} MB "
+                f"read a decode step: floor {read / bandwidth * 1e3:.1f} ms",
+                flush=True,
+            )
+        vocab = next(iter(workers.values())).runner.model_config.vocab_size
+        for b in map(int, args.batches.split(",")):
+            batch = prompts(b, args.prompt_len, vocab)
+            for worker in workers.values():
+                trillm_run(worker, batch, 2)  # warm-up
+            runs: dict[str, list[tuple[float, float]]] = {q: [] for q in settings}
+            for _ in range(args.repeats):
+                for q, worker in workers.items():
+                    runs[q].append(trillm_run(worker, batch, args.new_tokens))
+            steps = args.new_tokens - 1
+            base_prefill = statistics.median(t[0] for t in runs[settings[0]])
+            base_decode = statistics.median(t[1] for t in runs[settings[0]])
+            for q in settings:
+                prefill = statistics.median(t[0] for t in runs[q])
+                decode = statistics.median(t[1] for t in runs[q])
+                rows.append(
+                    {
+                        "dtype": dtype,
+                        "quantization": q,
+                        "batch": b,
+                        "prefill_ms": prefill * 1e3,
+                        "decode_step_ms": decode / steps * 1e3,
+                        "prefill_tok_s": b * args.prompt_len / prefill,
+                        "decode_tok_s": b * steps / decode,
+                    }
+                )
+                print(
+                    f"{dtype:<9} {q:<5} B={b:<3} prefill {prefill * 1e3:8.1f} ms "
+                    f"(x{base_prefill / prefill:.2f})  decode step {decode / steps * 1e3:7.2f} ms "
+                    f"(x{base_decode / decode:.2f}), {b * steps / decode:7.1f} tok/s",
+                    flush=True,
+                )
+    write_json(args, rows, read_bandwidth_gb_s=bandwidth / 1e9)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a Hugging Face model dir (default: the built-in SmolLM2)")
@@ -79,7 +161,15 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument(
+        "--quantization",
+        help="compare trillm's --quantization settings on one GGUF file (e.g. none,gguf; "
+        "the first is the baseline) instead of trillm against transformers",
+    )
     args = parser.parse_args()
+    if args.quantization is not None:
+        quantization_main(args)
+        return
     if args.model is None:
         from trillm.gpu._default_model import default_model_dir
 
@@ -119,14 +209,14 @@ def main() -> None:
                 f"(transformers {row['hf_decode_tok_s']:7.1f}, x{decode_x:.2f})",
                 flush=True,
             )
+    write_json(args, rows)
+
+
+def write_json(args: argparse.Namespace, rows: list[dict[str, Any]], **extra: float) -> None:
+    """The run's settings and rows to `--json`, if given."""
     if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "results": rows},
-                indent=2,
-            )
-            + "\n"
-        )
+        run = {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens, **extra}
+        Path(args.json).write_text(json.dumps({**run, "results": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

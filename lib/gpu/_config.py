@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from ._cpu_linear import CPU_LINEAR
+from ._quantized import QUANTIZATIONS, quantized_kernels_run
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -50,6 +52,11 @@ class WorkerConfig:
     attention_backend: str = "auto"
     # No CUDA graphs: every decode step runs eager (graphs are captured on CUDA only).
     enforce_eager: bool = False
+    # "gguf": a GGUF file's Q4_0 / Q4_1 weights stay int4 in memory and Q8_0 ones become
+    # float16, multiplied by torch's weight-only CPU kernels (`_quantized`); "none":
+    # dequantised to `dtype`; "auto": gguf for a GGUF file on the CPU, else none. (vLLM's
+    # names for the flag and the values.)
+    quantization: str = "auto"
     # Test hook: "forward:RANK:STEP" raises InjectedFault inside the model's forward on that
     # rank at that step (counting from 0), so death reporting can be tested end to end;
     # "token:RANK:ID" raises it in every step whose input holds token ID (a poison request).
@@ -72,6 +79,16 @@ class WorkerConfig:
             raise WorkerConfigError(
                 f"attention_backend {self.attention_backend!r} is not one of "
                 f"{', '.join(ATTENTION_BACKENDS)}"
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise WorkerConfigError(
+                f"quantization {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}"
+            )
+        if self.quantization == "gguf" and not self.is_gguf():
+            raise WorkerConfigError(
+                f"quantization 'gguf' needs a GGUF file with its weights, but model "
+                f"{self.model!r} is loaded as {self.load_format!r}; give a .gguf file, or "
+                f"use quantization 'none'"
             )
         if self.block_size not in (8, 16, 32, 64, 128):
             raise WorkerConfigError(
@@ -105,6 +122,19 @@ class WorkerConfig:
         if self.attention_backend == "auto":
             return "triton" if device.type == "cuda" else "torch"
         return self.attention_backend
+
+    def is_gguf(self) -> bool:
+        """The weights are read from a GGUF file (as `open_model` decides; not `dummy`)."""
+        gguf = self.load_format == "gguf" or Path(self.model).suffix == ".gguf"
+        return gguf and self.load_format != "dummy"
+
+    def quantization_for(self, device: torch.device) -> str:
+        """What `auto` resolves to: gguf for a GGUF file on a CPU where the kernels run
+        (`quantized_kernels_run`, probed once), none otherwise."""
+        if self.quantization == "auto":
+            kept = self.is_gguf() and device.type == "cpu" and quantized_kernels_run()
+            return "gguf" if kept else "none"
+        return self.quantization
 
     def cuda_graph_sizes(self) -> tuple[int, ...]:
         """Decode batch sizes captured as CUDA graphs, as vLLM: 1, 2, 4, 8, then every 8 up

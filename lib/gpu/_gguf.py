@@ -5,15 +5,9 @@ Face names and layouts. This module bridges the two: it reads GGUF metadata and 
 `gguf.GGUFReader`, dequantises them to float32 with our own vectorised kernels for the types we
 meet in practice (the `gguf` package's reference kernels build many temporaries and are kept only
 as the fallback and the test oracle), renames tensors to Hugging Face parameter names and undoes
-llama.cpp's rotary row permutation of the Q and K projections.
-
-Block layouts (little endian, 32 weights a block; `d`, `m` are float16):
-
-    Q8_0  | d | q[32] int8 |                   w = d * q
-    Q4_0  | d | nibbles[16] |                  w = d * (q - 8)
-    Q4_1  | d | m | nibbles[16] |              w = d * q + m
-
-where byte j of `nibbles` holds weight j in its low and weight j + 16 in its high nibble.
+llama.cpp's rotary row permutation of the Q and K projections. With `keep_quantized`, 2-D
+Q8_0 / Q4_0 / Q4_1 weights come back still in their blocks (`QuantizedTensor`, whose layouts
+`_gguf_blocks` draws), for the weight-only quantized linears of `_quantized`.
 """
 
 from __future__ import annotations
@@ -23,17 +17,16 @@ import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal, overload
 
 import gguf
 import numpy as np
 import numpy.typing as npt
 import torch
 
-Q = gguf.GGMLQuantizationType
+from ._gguf_blocks import BLOCK_BYTES, BLOCK_SIZE, QuantizedTensor, dequantize_blocks
 
-_BLOCK_BYTES = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20}
-_BLOCK_SIZE = 32
+Q = gguf.GGMLQuantizationType
 
 
 class GGUFError(ValueError):
@@ -74,35 +67,11 @@ def dequantize(
     elif qtype == Q.BF16:
         # bfloat16 is the top half of a float32: shift its bits into place.
         out = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    elif qtype in _BLOCK_BYTES:
-        out = _dequantize_blocks(data.reshape(-1, type_size), qtype)
+    elif qtype in BLOCK_BYTES:
+        out = dequantize_blocks(data.reshape(-1, type_size), qtype)
     else:
         out = np.ascontiguousarray(gguf.quants.dequantize(data, qtype), dtype=np.float32)
     return torch.from_numpy(out.reshape(shape))
-
-
-def _dequantize_blocks(
-    blocks: npt.NDArray[np.uint8], qtype: gguf.GGMLQuantizationType
-) -> npt.NDArray[np.float32]:
-    """Dequantise (n, block bytes) blocks in a few in-place passes over one output array."""
-    d = blocks[:, 0:2].view(np.float16).astype(np.float32)
-    out = np.empty((blocks.shape[0], _BLOCK_SIZE), dtype=np.float32)
-    if qtype == Q.Q8_0:
-        out[:] = blocks[:, 2:].view(np.int8)
-        out *= d
-        return out
-    nibbles = blocks[:, 4:] if qtype == Q.Q4_1 else blocks[:, 2:]
-    half = _BLOCK_SIZE // 2
-    np.bitwise_and(nibbles, 0x0F, out=out[:, :half], casting="unsafe")
-    np.right_shift(nibbles, 4, out=out[:, half:], casting="unsafe")
-    # Same operation order as ggml (and gguf.quants) so the results are bit-identical.
-    if qtype == Q.Q4_0:
-        out -= 8
-        out *= d
-    else:
-        out *= d
-        out += blocks[:, 2:4].view(np.float16).astype(np.float32)
-    return out
 
 
 # GGUF tensor name -> Hugging Face parameter name, for names outside the blocks ...
@@ -235,10 +204,22 @@ class GGUFCheckpoint:
         """How many tensors `tensors()` yields (for progress bars)."""
         return len(self._names)
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    @overload
+    def tensors(
+        self, *, keep_quantized: Literal[False] = False
+    ) -> Iterator[tuple[str, torch.Tensor]]: ...
+    @overload
+    def tensors(
+        self, *, keep_quantized: bool
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]: ...
+    def tensors(
+        self, *, keep_quantized: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         """Yield (Hugging Face name, float32 tensor) pairs, in file order.
 
         Q and K projections come back in Hugging Face's rotary layout (see `unpermute_rotary`).
+        With `keep_quantized`, 2-D Q8_0 / Q4_0 / Q4_1 tensors come as `QuantizedTensor`s (a
+        copy of their blocks, not a view of the file) instead.
         """
         heads = {
             ".self_attn.q_proj.": self._config["num_attention_heads"],
@@ -248,7 +229,11 @@ class GGUFCheckpoint:
         for t in self.reader.tensors:
             name = self._names[t.name]
             shape = tuple(int(dim) for dim in reversed(t.shape.tolist()))
-            w = dequantize(t.data, t.tensor_type, shape)
+            w: torch.Tensor | QuantizedTensor
+            if keep_quantized and len(shape) == 2 and t.tensor_type in BLOCK_BYTES:
+                w = _blocks(t.data, t.tensor_type, shape)
+            else:
+                w = dequantize(t.data, t.tensor_type, shape)
             for part, n_head in heads.items():
                 if part not in name:
                     continue
@@ -257,8 +242,23 @@ class GGUFCheckpoint:
                         f"{self.path}: {t.name} has {shape[0]} rows, not {n_head} heads of "
                         f"{head_dim} (an even number); the metadata does not match the tensors"
                     )
-                w = unpermute_rotary(w, n_head)
+                if isinstance(w, QuantizedTensor):  # rows are whole blocks: permute them
+                    w = QuantizedTensor(w.qtype, unpermute_rotary(w.blocks, n_head))
+                else:
+                    w = unpermute_rotary(w, n_head)
             yield name, w
+
+
+def _blocks(
+    raw: npt.NDArray[Any], qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...]
+) -> QuantizedTensor:
+    """One tensor's blocks, copied out of the memory map, as [rows, blocks per row, bytes]."""
+    rows, cols = shape
+    data = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    if cols % BLOCK_SIZE or data.size != rows * cols // BLOCK_SIZE * BLOCK_BYTES[qtype]:
+        dequantize(raw, qtype, shape)  # raises GGUFError naming the sizes
+    blocks = data.reshape(rows, cols // BLOCK_SIZE, BLOCK_BYTES[qtype]).copy()
+    return QuantizedTensor(qtype, torch.from_numpy(blocks))
 
 
 def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:

@@ -11,6 +11,7 @@ import msgspec
 import torch
 
 from ._cpu_linear import CpuFeatures, choose_cpu_linear, probe_cpu_features
+from ._quantized import choose_quantization
 
 
 class KernelChoice(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -18,7 +19,9 @@ class KernelChoice(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
     `linear` is "onednn" (weights packed for oneDNN), "aten" (`F.linear`: MKL on CPU,
     cuBLAS on CUDA); `isa` is what the choice depended on (`CpuFeatures.summary()` on CPU,
-    the GPU's name on CUDA); `attention` is the attention backend ("torch" or "triton").
+    the GPU's name on CUDA); `attention` is the attention backend ("torch" or "triton");
+    `quantization` is "gguf" (GGUF blocks kept, int4 kernel) or "none", and
+    `quantization_reason` what that means.
     """
 
     device: str
@@ -27,16 +30,22 @@ class KernelChoice(msgspec.Struct, array_like=True, frozen=True, gc=False):
     isa: str = ""
     reason: str = ""
     attention: str = ""
+    quantization: str = ""
+    quantization_reason: str = ""
 
     def describe(self) -> str:
         """One line for a log: "kernels: bfloat16 on cpu, linears aten (isa ...; reason),
-        attention torch"."""
+        attention torch, quantization gguf (...)"."""
         why = "; ".join(part for part in (self.isa, self.reason) if part)
         line = f"kernels: {self.dtype} on {self.device}, linears {self.linear} ({why})"
         if self.attention:
             line += f", attention {self.attention}"
             if self.attention == "triton" and self.device == "cpu":
                 line += " (Triton's interpreter on CPU: for correctness only, very slow)"
+        if self.quantization not in ("", "none"):  # dense weights need no word
+            line += f", quantization {self.quantization}"
+            if self.quantization_reason:
+                line += f" ({self.quantization_reason})"
         return line
 
 
@@ -46,6 +55,7 @@ def choose_kernels(
     cpu_linear: str,
     cpu_features: CpuFeatures | None = None,
     attention: str = "",
+    quantization: str = "none",
 ) -> KernelChoice:
     """The kernels for a model in `dtype` on `device`.
 
@@ -54,14 +64,19 @@ def choose_kernels(
         cpu_features: the CPU's answer to use instead of probing it (tests force either
             branch with it); None probes this CPU, once per process.
         attention: the attention backend in use, recorded as it is.
+        quantization: "gguf" or "none" (`WorkerConfig.quantization_for`, auto resolved).
 
     Raises:
         CpuLinearUnsupportedError: "onednn" was asked for a dtype this CPU cannot pack.
+        QuantizationUnsupportedError: "gguf" where its kernel cannot run.
     """
     name = str(dtype).removeprefix("torch.")
+    quant = choose_quantization(quantization, device)
     if device.type != "cpu":
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        return KernelChoice(str(device), name, "aten", gpu, "F.linear (cuBLAS)", attention)
+        return KernelChoice(str(device), name, "aten", gpu, "F.linear (cuBLAS)", attention, *quant)
     features = cpu_features if cpu_features is not None else probe_cpu_features()
     linear = choose_cpu_linear(cpu_linear, dtype, features)
-    return KernelChoice("cpu", name, linear.path, features.summary(), linear.reason, attention)
+    return KernelChoice(
+        "cpu", name, linear.path, features.summary(), linear.reason, attention, *quant
+    )

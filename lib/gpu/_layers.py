@@ -3,7 +3,9 @@
 Column-parallel layers split their output features over the ranks (no communication);
 row-parallel layers split their input features and all-reduce the partial sums. Each layer
 knows how to take its shard out of a full Hugging Face weight (`load`), so a checkpoint is
-read once, whatever the tensor-parallel size.
+read once, whatever the tensor-parallel size. A GGUF weight kept in its blocks
+(`QuantizedTensor`) is sharded the same way, block rows or block-aligned columns, and packed for
+the int4 kernel by `finish_quantized` once every part has arrived (`_quantized`).
 """
 
 from __future__ import annotations
@@ -13,12 +15,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._cpu_linear import pack_weight, packed_linear
+from ._gguf_blocks import QuantizedTensor
 from ._parallel import TensorParallel
+from ._quantized import QuantizedLinearWeight, pack_quantized
 
 
 def _drop(param: nn.Parameter) -> None:
     """Free a dense weight that now lives packed (its shape is kept in the packed tensor)."""
     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+
+def _linear(
+    x: torch.Tensor,
+    quantized: QuantizedLinearWeight | None,
+    packed: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`x @ weight.T + bias` through whichever form the weight is kept in."""
+    if quantized is not None:
+        out = quantized(x)
+        return out if bias is None else out + bias
+    if packed is not None:
+        return packed_linear(x, packed, bias)
+    return F.linear(x, weight, bias)
 
 
 class RMSNorm(nn.Module):
@@ -64,10 +84,17 @@ class ColumnParallelLinear(nn.Module):
             nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
         )
         self.packed: torch.Tensor | None = None
+        self.quantized: QuantizedLinearWeight | None = None
+        self._quantized_parts: dict[int, QuantizedTensor] = {}
 
-    def load(self, part: int, weight: torch.Tensor, *, is_bias: bool = False) -> None:
-        """Copy this rank's rows of the full `weight` of merged part `part`."""
+    def load(
+        self, part: int, weight: torch.Tensor | QuantizedTensor, *, is_bias: bool = False
+    ) -> None:
+        """Copy (or, quantized, keep) this rank's rows of the full `weight` of part `part`."""
         shard = self.shard_sizes[part]
+        if isinstance(weight, QuantizedTensor):
+            self._quantized_parts[part] = weight.rows(self.tp.rank * shard, shard)
+            return
         start = sum(self.shard_sizes[:part])
         rows = weight.narrow(0, self.tp.rank * shard, shard)
         target = self.bias if is_bias else self.weight
@@ -75,15 +102,26 @@ class ColumnParallelLinear(nn.Module):
             raise KeyError("this layer has no bias, but the checkpoint has one")
         target.data[start : start + shard].copy_(rows)
 
+    def finish_quantized(self) -> None:
+        """Pack the kept parts for the int4 kernel; if only some parts came quantized (a file
+        that mixes types), dequantise them into the dense weight instead."""
+        parts, self._quantized_parts = self._quantized_parts, {}
+        if len(parts) == len(self.shard_sizes):
+            self.quantized = pack_quantized([parts[i] for i in sorted(parts)])
+            _drop(self.weight)
+            return
+        for part, rows in parts.items():
+            start = sum(self.shard_sizes[:part])
+            self.weight.data[start : start + rows.shape[0]].copy_(rows.dequantize())
+
     def pack(self) -> None:
         """Move the loaded weight into oneDNN's layout (CPU only; see `_cpu_linear`)."""
-        self.packed = pack_weight(self.weight)
-        _drop(self.weight)
+        if self.quantized is None:
+            self.packed = pack_weight(self.weight)
+            _drop(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return _linear(x, self.quantized, self.packed, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -111,9 +149,15 @@ class RowParallelLinear(nn.Module):
             else None
         )
         self.packed: torch.Tensor | None = None
+        self.quantized: QuantizedLinearWeight | None = None
+        self._quantized_columns: QuantizedTensor | None = None
 
-    def load(self, weight: torch.Tensor, *, is_bias: bool = False) -> None:
-        """Copy this rank's columns of the full `weight` (the bias is not split)."""
+    def load(self, weight: torch.Tensor | QuantizedTensor, *, is_bias: bool = False) -> None:
+        """Copy (or, quantized, keep) this rank's columns of the full `weight` (the bias is
+        not split)."""
+        if isinstance(weight, QuantizedTensor):
+            self._quantized_columns = weight.cols(self.tp.rank * self.shard, self.shard)
+            return
         if is_bias:
             if self.bias is None:
                 raise KeyError("this layer has no bias, but the checkpoint has one")
@@ -121,16 +165,21 @@ class RowParallelLinear(nn.Module):
             return
         self.weight.data.copy_(weight.narrow(1, self.tp.rank * self.shard, self.shard))
 
+    def finish_quantized(self) -> None:
+        """Pack the kept columns for the int4 kernel."""
+        if self._quantized_columns is not None:
+            self.quantized = pack_quantized([self._quantized_columns])
+            self._quantized_columns = None
+            _drop(self.weight)
+
     def pack(self) -> None:
         """Move the loaded weight into oneDNN's layout (CPU only; see `_cpu_linear`)."""
-        self.packed = pack_weight(self.weight)
-        _drop(self.weight)
+        if self.quantized is None:
+            self.packed = pack_weight(self.weight)
+            _drop(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = (
-            F.linear(x, self.weight) if self.packed is None else packed_linear(x, self.packed, None)
-        )
-        out = self.tp.all_reduce(partial)
+        out = self.tp.all_reduce(_linear(x, self.quantized, self.packed, self.weight))
         return out if self.bias is None else out + self.bias
 
 
@@ -153,20 +202,43 @@ class VocabParallelEmbedding(nn.Module):
             torch.zeros(self.shard, hidden_size, dtype=dtype), requires_grad=False
         )
         self.packed_head: torch.Tensor | None = None
+        # Quantized: the blocks for the lookup (dequantised per looked-up row) and the head
+        # packed for the int4 kernel, in place of the dense matrix and its oneDNN copy.
+        self.quantized_table: QuantizedTensor | None = None
+        self.quantized_head: QuantizedLinearWeight | None = None
 
-    def load(self, weight: torch.Tensor) -> None:
-        """Copy this rank's rows of the full [vocab, hidden] matrix."""
-        rows = weight[self.start : self.start + self.shard]
-        self.weight.data[: len(rows)].copy_(rows)
+    def load(self, weight: torch.Tensor | QuantizedTensor) -> None:
+        """Copy (or, quantized, keep) this rank's rows of the full [vocab, hidden] matrix."""
+        rows = min(self.shard, self.vocab_size - self.start)
+        if isinstance(weight, QuantizedTensor):
+            self.quantized_table = weight.rows(self.start, rows)
+            return
+        self.weight.data[:rows].copy_(weight[self.start : self.start + rows])
+
+    def finish_quantized(self, *, lookup: bool, head: bool) -> None:
+        """Pack the kept matrix as the head (`head`); keep its blocks only for `lookup`."""
+        table = self.quantized_table
+        if table is None:
+            return
+        if head:
+            self.quantized_head = pack_quantized([table], rows=self.shard)
+        if not lookup:
+            self.quantized_table = None
+        _drop(self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.shard)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0)
         return self.tp.all_reduce(out)
+
+    def _lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized_table is None:
+            return F.embedding(local_ids, self.weight)
+        return self.quantized_table.gather_rows(local_ids).to(self.weight.dtype)
 
     def pack(self) -> None:
         """A packed copy of the matrix for `logits`; the dense one stays for the lookup.
@@ -174,12 +246,10 @@ class VocabParallelEmbedding(nn.Module):
         That costs one more vocab x hidden matrix of memory (113 MB for SmolLM2 in float32),
         and halves the head's time per decode step on AVX-512 CPUs.
         """
-        self.packed_head = pack_weight(self.weight)
+        if self.quantized_head is None:
+            self.packed_head = pack_weight(self.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits, gathered from every rank's vocab shard."""
-        if self.packed_head is not None:
-            local = packed_linear(hidden, self.packed_head, None)
-        else:
-            local = F.linear(hidden, self.weight)
+        local = _linear(hidden, self.quantized_head, self.packed_head, self.weight)
         return self.tp.all_gather(local, dim=-1)[:, : self.vocab_size]

@@ -82,6 +82,7 @@ class ModelRunner:
             self.config.cpu_linear,
             self._cpu_features,
             self.config.attention_backend_for(self.device),
+            self.config.quantization_for(self.device),
         )
         torch.manual_seed(self.config.seed)
         with torch.device(self.device):
@@ -90,7 +91,7 @@ class ModelRunner:
             for param in model.parameters():
                 param.data.normal_(0.0, 0.02)
         else:
-            model.load_weights(weights)
+            model.load_weights(weights, keep_quantized=self.kernels.quantization == "gguf")
         if self.kernels.linear == "onednn":
             model.pack_linears()
         self.model = model.eval()

@@ -9,9 +9,12 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ._gguf_blocks import QuantizedTensor
 from ._model_config import ModelConfig, ModelConfigError
 
-Weights = Iterator[tuple[str, torch.Tensor]]
+# GGUF's Q8_0 / Q4_0 / Q4_1 weights come still in their blocks; the model keeps or dequantises
+# them (`--quantization`).
+Weights = Iterator[tuple[str, torch.Tensor | QuantizedTensor]]
 
 
 class WeightsError(ValueError):
@@ -33,7 +36,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iterate_safetensors(model_dir: Path) -> Weights:
+def iterate_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of every shard, by Hugging Face name."""
     for path in safetensors_files(model_dir):
         try:
@@ -66,7 +69,7 @@ def open_model(model: str, load_format: str) -> tuple[ModelConfig, Weights | Non
             raise WeightsError(f"GGUF file {path} does not exist")
         checkpoint = GGUFCheckpoint.open(path)
         config = ModelConfig.from_dict(checkpoint.config, source=str(path))
-        return config, (None if load_format == "dummy" else checkpoint.tensors())
+        return config, (None if load_format == "dummy" else checkpoint.tensors(keep_quantized=True))
     if not path.is_dir():
         raise ModelConfigError(
             f"model {model!r} is neither a directory nor a .gguf file; give a Hugging Face "

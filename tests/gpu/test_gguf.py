@@ -145,8 +145,11 @@ def write_llama_gguf(
     q8_0: str | None = None,
     arch: str = "llama",
     extra_tensor: str | None = None,
+    types: dict[str, Q] | None = None,
 ) -> None:
-    """Write `model` as llama.cpp's converter would; `q8_0` names a weight stored as Q8_0."""
+    """Write `model` as llama.cpp's converter would; `q8_0` names a weight stored as Q8_0,
+    `types` maps weight names to other GGML types (the rest are F32)."""
+    types = {**(types or {}), **({q8_0: Q.Q8_0} if q8_0 is not None else {})}
     config = model.config
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -173,8 +176,9 @@ def write_llama_gguf(
             w = llama_cpp_permute(w, config.num_attention_heads)
         elif ".k_proj." in name:
             w = llama_cpp_permute(w, config.num_key_value_heads)
-        if name == q8_0:
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(w, Q.Q8_0), raw_dtype=Q.Q8_0)
+        if name in types:
+            qtype = types[name]
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(w, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name(name), np.ascontiguousarray(w))
     if extra_tensor is not None:

@@ -2,7 +2,8 @@
 
 The batch is flattened: every tensor is [T, ...] over this step's tokens of all sequences, so
 prefill chunks and decodes run in one forward with no padding. q/k/v and gate/up are merged
-into one matmul each; Hugging Face weights are split into them by `load_weights`.
+into one matmul each; Hugging Face weights are split into them by `load_weights`, which keeps
+GGUF's Q8_0 / Q4_0 / Q4_1 weights quantized when asked (`--quantization gguf`, `_quantized`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 
 from .._attention import StepAttention
 from .._failure import InjectedFault
+from .._gguf_blocks import QuantizedTensor
 from .._layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from .._model_config import ModelConfig
 from .._parallel import TensorParallel
@@ -183,8 +185,17 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden] -> [N, vocab] logits."""
         return self.lm_head.logits(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]],
+        *,
+        keep_quantized: bool = False,
+    ) -> set[str]:
         """Load Hugging Face-named tensors, each split into this rank's shard.
+
+        Args:
+            keep_quantized: keep `QuantizedTensor`s (GGUF blocks) quantized, for the int4
+                kernel; otherwise they are dequantised to float32 as they arrive.
 
         Returns:
             The checkpoint names loaded.
@@ -196,11 +207,49 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
+            if isinstance(tensor, QuantizedTensor) and not keep_quantized:
+                tensor = tensor.dequantize()
             self._load_one(name, tensor)
             loaded.add(name)
+        if keep_quantized:
+            self._finish_quantized()
         return loaded
 
-    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+    def _finish_quantized(self) -> None:
+        """Pack every kept quantized weight for the int4 kernel, once all parts are in."""
+        for module in self.modules():
+            if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+                module.finish_quantized()
+        tied = self.lm_head is self.embed_tokens
+        self.embed_tokens.finish_quantized(lookup=True, head=tied)
+        if not tied:
+            self.lm_head.finish_quantized(lookup=False, head=True)
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights take in memory, dense, packed for oneDNN or quantized."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        for module in self.modules():
+            for name in ("packed", "packed_head"):
+                packed = getattr(module, name, None)
+                if isinstance(packed, torch.Tensor):
+                    total += packed.numel() * packed.element_size()
+            for name in ("quantized", "quantized_head", "quantized_table"):
+                kept = getattr(module, name, None)
+                if kept is not None:
+                    total += kept.nbytes
+        return total
+
+    def decode_read_bytes(self) -> int:
+        """Bytes of weights one decode step reads: all but the embedding table, of which it
+        reads a row a token (the head reads its own copy, unless it multiplies the table)."""
+        table = self.embed_tokens
+        if table.quantized_table is not None:
+            return self.weight_bytes() - table.quantized_table.nbytes
+        if table.packed_head is None and table.quantized_head is None and table is self.lm_head:
+            return self.weight_bytes()  # the dense table is the head
+        return self.weight_bytes() - table.weight.numel() * table.weight.element_size()
+
+    def _load_one(self, name: str, tensor: torch.Tensor | QuantizedTensor) -> None:
         if name == "model.embed_tokens.weight":
             self.embed_tokens.load(tensor)
             return
@@ -209,7 +258,7 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.load(tensor)
             return
         if name == "model.norm.weight":
-            self.norm.weight.data.copy_(tensor)
+            self.norm.weight.data.copy_(_dense(tensor))
             return
         match = _LAYER.match(name)
         if match is None:
@@ -225,6 +274,10 @@ class LlamaForCausalLM(nn.Module):
         elif isinstance(module, RowParallelLinear):
             module.load(tensor, is_bias=is_bias)
         elif isinstance(module, RMSNorm):
-            module.weight.data.copy_(tensor)
+            module.weight.data.copy_(_dense(tensor))
         else:
             raise KeyError(f"checkpoint tensor {name!r} is not part of a Llama-family model")
+
+
+def _dense(tensor: torch.Tensor | QuantizedTensor) -> torch.Tensor:
+    return tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor
