@@ -33,9 +33,10 @@ lint: venv
 bench: venv
 	$(PY) perf/transport_bench.py --json perf/results/transport_bench.json
 
-# trillm against `transformers serve --continuous-batching` (its venv, .venv-peer, is made once).
+# trillm against both peers: `transformers serve --continuous-batching` (its venv, .venv-peer,
+# is made once) and llama.cpp's llama-server (built once into .venv-llamacpp, ~15 min on 2 cores).
 compare: venv
-	$(PY) perf/compare.py --save-result perf/results/compare.json
+	$(PY) perf/compare.py --peer all --save-result perf/results/compare.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info lib/*.egg-info .pytest_cache .mypy_cache .ruff_cache

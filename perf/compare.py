@@ -1,15 +1,25 @@
 """trillm against a peer OpenAI server, side by side: same weights, same prompts, same client.
 
-By default the peer is `transformers serve --continuous-batching` from a venv of its own
-(`.venv-peer`, made on first use with the same torch and transformers versions as ours), on the
-default model (SmolLM2-135M-Instruct) in float32 on the CPU. Each server runs alone, one after
-the other, while `bench_serve.py` drives it at each concurrency; then the ratios are printed.
+`--peer transformers` (the default) is `transformers serve --continuous-batching` from a venv of
+its own (`.venv-peer`, made on first use with the same torch and transformers versions as ours),
+on the default model (SmolLM2-135M-Instruct) in float32 on the CPU.
+
+`--peer llama.cpp` is llama.cpp's `llama-server` (built once into `.venv-llamacpp`, see
+_llamacpp.py) on the GGUF the model ships as (Q4_1) and on an F32 copy of it, in two pairings on
+the same weights: trillm fp32 against llama.cpp F32, and trillm with the GGUF kept quantized
+(`--quantization gguf`, where `trillm serve` has the flag) against llama.cpp Q4_1. `--peer all`
+runs both peers. Each server runs alone, one after the other, while `bench_serve.py` drives it
+at each concurrency; then the ratios are printed for each pairing.
 
 The prefill compute floor is the prompt's FLOPs (from the model's config) divided by this
 machine's fp32 matmul rate, measured here with torch at the thread count the servers use: no
 server can produce a first token faster than that, so TTFT at concurrency 1 is judged against it.
 
-    python perf/compare.py [--concurrency 1,32] [--input-len 128] [--output-len 64]
+The decode floor (llama.cpp pairings) is the bytes one batch-1 step reads at least (the
+weights: the fp32 safetensors, or the GGUF file) over this machine's read bandwidth (a 1 GiB
+`torch.sum`, as decode_profile.py measures it): the TPOT at concurrency 1 is judged against it.
+
+    python perf/compare.py [--peer transformers|llama.cpp|all] [--concurrency 1,32]
     python perf/compare.py --peer-url http://gpu-box:8000 --trillm-url http://gpu-box:9000
 
 With `--peer-url`/`--trillm-url` the servers are not started here (vLLM or SGLang on a GPU
@@ -21,19 +31,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
-from host_overhead import free_port  # perf/ is scripts: the one next to this
+from _llamacpp import llamacpp_venv, requantized, server_command
+from host_overhead import free_port  # perf/ is scripts: the ones next to this
 
 from trillm.gpu._cpu_linear import pack_weight, packed_linear, packed_linear_available
 
@@ -137,14 +150,24 @@ def bench(base: str, args: argparse.Namespace, concurrency: int, out: Path) -> d
     return {k: v for k, v in result.items() if not isinstance(v, list)}  # aggregates only
 
 
-def measure(
-    name: str, url: str | None, command: list[str], port: int, args: argparse.Namespace, tmp: Path
-) -> dict[int, dict[str, Any]]:
+@dataclass(frozen=True)
+class Server:
+    """One server to measure: started from `command` on `port`, or already running at `url`."""
+
+    name: str
+    command: list[str]
+    port: int
+    url: str | None = None
+
+
+def measure(server: Server, args: argparse.Namespace, tmp: Path) -> dict[int, dict[str, Any]]:
     results = {}
-    with serving(name, command, port, tmp / f"{name}.log") if url is None else _given(url) as base:
+    slug = server.name.replace(" ", "-")
+    started = serving(server.name, server.command, server.port, tmp / f"{slug}.log")
+    with started if server.url is None else _given(server.url) as base:
         for c in args.concurrency:
-            print(f"compare: {name} at concurrency {c}", file=sys.stderr, flush=True)
-            results[c] = bench(base, args, c, tmp / f"{name}-{c}.json")
+            print(f"compare: {server.name} at concurrency {c}", file=sys.stderr, flush=True)
+            results[c] = bench(base, args, c, tmp / f"{slug}-{c}.json")
     return results
 
 
@@ -153,40 +176,123 @@ def _given(url: str) -> Iterator[str]:
     yield url.rstrip("/")
 
 
+def quantization_flag(serve_help: str, value: str) -> list[str]:
+    """`--quantization value` when `trillm serve --help` lists the flag and the value, else []
+    (a trillm from before the flag serves its default)."""
+    if not re.search(r"--quantization\b", serve_help):
+        return []
+    choices = re.search(r"--quantization \{([\w,.-]+)\}", serve_help)
+    if choices and value not in choices[1].split(","):
+        return []
+    return ["--quantization", value]
+
+
+def trillm_command(exe: Path, model: Path, port: int, extra: list[str] | None = None) -> list[str]:
+    return [
+        str(exe), "serve", str(model), "--port", str(port), "--dtype", "float32",
+        "--device", "cpu", *(extra or []),
+    ]  # fmt: skip
+
+
+def transformers_pairing(args: argparse.Namespace, exe: Path) -> tuple[Server, Server]:
+    """trillm and `transformers serve` on the model directory, or the given URLs."""
+    ours_port, peer_port = free_port(), free_port()
+    peer_cmd = [] if args.peer_url else [
+        str(peer_venv(args.peer_venv)), "serve", "--continuous-batching", "--device", "cpu",
+        "--dtype", "float32", "--host", "127.0.0.1", "--port", str(peer_port), str(args.model),
+    ]  # fmt: skip
+    return (
+        Server("trillm", trillm_command(exe, args.model, ours_port), ours_port, args.trillm_url),
+        Server("peer", peer_cmd, peer_port, args.peer_url),
+    )
+
+
+def llamacpp_pairings(
+    args: argparse.Namespace, exe: Path, serve_help: str, threads: int
+) -> list[tuple[Server, Server]]:
+    """trillm fp32 against llama.cpp F32, trillm quantized against llama.cpp on the GGUF."""
+    bin_dir = llamacpp_venv(args.llamacpp_venv)
+    venv = args.llamacpp_venv
+    f32 = requantized(bin_dir, args.gguf, venv.with_name(venv.name + "-gguf"))
+    kind = args.gguf.stem.rsplit(".", 1)[-1] if "." in args.gguf.stem else "GGUF"
+    pairings = []
+    for ours, quantization, theirs, gguf in (
+        ("trillm fp32", "none", "llama.cpp F32", f32),
+        (f"trillm {kind}", "gguf", f"llama.cpp {kind}", args.gguf),
+    ):
+        flag = quantization_flag(serve_help, quantization)
+        if not flag:
+            print(f"compare: trillm serve has no --quantization {quantization}; {ours} is "
+                  "trillm's default", file=sys.stderr)  # fmt: skip
+        p, q = free_port(), free_port()
+        pairings.append((
+            Server(ours, trillm_command(exe, args.gguf, p, flag), p),
+            Server(theirs, server_command(bin_dir, gguf, q, threads), q),
+        ))  # fmt: skip
+    return pairings
+
+
 def report(
-    ours: dict[int, dict[str, Any]], peer: dict[int, dict[str, Any]], floor_ms: float
+    ours: dict[int, dict[str, Any]],
+    peer: dict[int, dict[str, Any]],
+    floor_ms: float,
+    *,
+    names: tuple[str, str] = ("trillm", "peer"),
+    decode_floor_ms: float | None = None,
 ) -> list[str]:
+    """The two servers' figures, their ratios (ours / peer) and both against the floors."""
+    width = max(8, *map(len, names))
     lines = [
-        f"{'server':>8} {'c':>4} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'server':>{width}} {'c':>4} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
         f"{'TPOT p50':>9} {'TPOT p99':>9} {'tokens/req':>10}",
     ]
-    for name, results in (("trillm", ours), ("peer", peer)):
+    for name, results in zip(names, (ours, peer), strict=True):
         for c, r in results.items():
             per_req = r["total_output_tokens"] / max(1, r["completed"])
             lines.append(
-                f"{name:>8} {c:>4} {r['output_throughput']:>10.1f} {r['median_ttft_ms']:>9.1f} "
-                f"{r['p99_ttft_ms']:>9.1f} {r['median_tpot_ms']:>9.1f} {r['p99_tpot_ms']:>9.1f} "
-                f"{per_req:>10.1f}"
+                f"{name:>{width}} {c:>4} {r['output_throughput']:>10.1f} "
+                f"{r['median_ttft_ms']:>9.1f} {r['p99_ttft_ms']:>9.1f} "
+                f"{r['median_tpot_ms']:>9.1f} {r['p99_tpot_ms']:>9.1f} {per_req:>10.1f}"
             )
     lines.append("")
-    lines.append("trillm / peer:   c  out tok/s  TTFT p50  TTFT p99  TPOT p50  TPOT p99")
+    title = f"{names[0]} / {names[1]}:"
+    lines.append(f"{title:<14}   c  out tok/s  TTFT p50  TTFT p99  TPOT p50  TPOT p99")
     for c in ours:
         ratio = [ours[c][k] / peer[c][k] if peer[c][k] else float("nan") for k in METRICS]
-        lines.append(f"{'':>14}{c:>4}" + "".join(f"{x:>10.3f}" for x in ratio))
+        lines.append(f"{'':>{max(14, len(title))}}{c:>4}" + "".join(f"{x:>10.3f}" for x in ratio))
     lines.append("")
     lines.append(f"prefill compute floor: {floor_ms:.1f} ms (prompt FLOPs / best fp32 matmul rate)")
-    for c in ours:
-        lines.append(
-            f"  c={c}: median TTFT trillm {ours[c]['median_ttft_ms']:.1f} ms = "
-            f"{ours[c]['median_ttft_ms'] / floor_ms:.2f}x floor, peer "
-            f"{peer[c]['median_ttft_ms']:.1f} ms = {peer[c]['median_ttft_ms'] / floor_ms:.2f}x"
-        )
+    lines += _against(ours, peer, names, "median_ttft_ms", "TTFT", floor_ms)
+    if decode_floor_ms is not None:
+        lines.append(f"decode bandwidth floor: {decode_floor_ms:.1f} ms (weight bytes / read rate)")
+        lines += _against(ours, peer, names, "median_tpot_ms", "TPOT", decode_floor_ms)
     return lines
+
+
+def _against(
+    ours: dict[int, dict[str, Any]],
+    peer: dict[int, dict[str, Any]],
+    names: tuple[str, str],
+    key: str,
+    label: str,
+    floor: float,
+) -> list[str]:
+    return [
+        f"  c={c}: median {label} {names[0]} {ours[c][key]:.1f} ms = "
+        f"{ours[c][key] / floor:.2f}x floor, {names[1]} "
+        f"{peer[c][key]:.1f} ms = {peer[c][key] / floor:.2f}x"
+        for c in ours
+    ]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--peer", choices=("transformers", "llama.cpp", "all"), default="transformers")
     p.add_argument("--model", type=Path, help="HF model dir (default: trillm's default model)")
+    p.add_argument(
+        "--gguf", type=Path, help="the GGUF the model was made from, for llama.cpp "
+        "(default: the built-in model's Q4_1 file)",
+    )  # fmt: skip
     p.add_argument("--concurrency", default="1,32")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -195,15 +301,22 @@ def main() -> None:
     p.add_argument("--num-warmups", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peer-venv", type=Path, default=ROOT / ".venv-peer")
+    p.add_argument("--llamacpp-venv", type=Path, default=ROOT / ".venv-llamacpp")
     p.add_argument("--peer-url", help="an already running peer (not started here)")
     p.add_argument("--trillm-url", help="an already running trillm (not started here)")
     p.add_argument("--save-result", type=Path, help="write all figures as JSON")
     args = p.parse_args()
+    if (args.peer_url or args.trillm_url) and args.peer != "transformers":
+        p.error("--peer-url and --trillm-url measure one pairing: use --peer transformers")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     if args.model is None:
         from trillm import default_model_dir
 
         args.model = default_model_dir()
+    if args.gguf is None:
+        from trillm.gpu._default_model import find_default_gguf
+
+        args.gguf = find_default_gguf()
     config = json.loads((args.model / "config.json").read_text())
     threads = torch.get_num_threads()
     rates = matmul_rates(threads)
@@ -217,36 +330,48 @@ def main() -> None:
         f"prompt is {gflops:.2f} GFLOP -> prefill floor {floor_ms:.1f} ms",
         file=sys.stderr,
     )
-    ours_port, peer_port = free_port(), free_port()
-    trillm_cmd = [
-        str(Path(sys.executable).parent / "trillm"), "serve", str(args.model),
-        "--port", str(ours_port), "--dtype", "float32", "--device", "cpu",
-    ]  # fmt: skip
-    peer_cmd = [] if args.peer_url else [
-        str(peer_venv(args.peer_venv)), "serve", "--continuous-batching", "--device", "cpu",
-        "--dtype", "float32", "--host", "127.0.0.1", "--port", str(peer_port), str(args.model),
-    ]  # fmt: skip
+    exe = Path(sys.executable).parent / "trillm"
+    pairings = []
+    figures: dict[str, Any] = {"matmul_gflops": rates, "threads": threads}
+    figures |= {"prompt_gflops": gflops, "prefill_floor_ms": floor_ms}
+    decode_floors: list[float | None] = []
+    if args.peer in ("transformers", "all"):
+        pairings.append(transformers_pairing(args, exe))
+        decode_floors.append(None)
+    if args.peer in ("llama.cpp", "all"):
+        serve_help = subprocess.run(
+            [str(exe), "serve", "--help"], capture_output=True, text=True, check=True
+        ).stdout
+        pairings += llamacpp_pairings(args, exe, serve_help, threads)
+        from decode_profile import read_bandwidth  # imports transformers: only when needed
+
+        read_rate = read_bandwidth()
+        weights = {"fp32": (args.model / "model.safetensors").stat().st_size}
+        weights[args.gguf.name] = args.gguf.stat().st_size
+        decode_floors += [b / read_rate * 1e3 for b in weights.values()]
+        figures |= {"read_gbs": read_rate / 1e9, "weight_bytes": weights}
+        floors = (f"{k} {b / 1e6:.0f} MB {b / read_rate * 1e3:.1f} ms" for k, b in weights.items())
+        print(
+            f"compare: read {read_rate / 1e9:.1f} GB/s -> decode floor " + ", ".join(floors),
+            file=sys.stderr,
+        )
+    results: dict[str, dict[int, dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="trillm-compare-") as d:
-        tmp = Path(d)
-        ours = measure("trillm", args.trillm_url, trillm_cmd, ours_port, args, tmp)
-        peer = measure("peer", args.peer_url, peer_cmd, peer_port, args, tmp)
-    lines = report(ours, peer, floor_ms)
+        for server in (s for pairing in pairings for s in pairing):
+            results[server.name] = measure(server, args, Path(d))
+    lines: list[str] = []
+    for (ours, peer), decode_floor in zip(pairings, decode_floors, strict=True):
+        lines += report(
+            results[ours.name], results[peer.name], floor_ms,
+            names=(ours.name, peer.name), decode_floor_ms=decode_floor,
+        )  # fmt: skip
+        lines.append("")
     print("\n".join(lines))
     if args.save_result:
-        args.save_result.write_text(
-            json.dumps(
-                {
-                    "matmul_gflops": rates,
-                    "threads": threads,
-                    "prompt_gflops": gflops,
-                    "prefill_floor_ms": floor_ms,
-                    "trillm": ours,
-                    "peer": peer,
-                    "table": lines,
-                },
-                indent=1,
-            )
-        )
+        figures |= results  # one key per server, as the single-pairing files had
+        figures["pairings"] = [[ours.name, peer.name] for ours, peer in pairings]
+        figures["table"] = lines
+        args.save_result.write_text(json.dumps(figures, indent=1))
 
 
 if __name__ == "__main__":
