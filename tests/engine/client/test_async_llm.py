@@ -1,4 +1,6 @@
-"""The trio frontend against a real engine process running the tiny model."""
+"""The trio frontend against a real engine running the tiny model: in its own process, and
+in process (`LLMConfig.in_process`, a thread of this one), the same tests for both. The few
+about a process (its signals, its exit, its parent) run split only."""
 
 from __future__ import annotations
 
@@ -34,7 +36,12 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny(tmp_path_factory.mktemp("frontend-tiny"), "llama")
 
 
-def llm_config(model: Path | str, **worker: object) -> LLMConfig:
+@pytest.fixture(params=["split", "in_process"])
+def in_process(request: pytest.FixtureRequest) -> bool:
+    return bool(request.param == "in_process")
+
+
+def llm_config(model: Path | str, in_process: bool = False, **worker: object) -> LLMConfig:
     config = WorkerConfig(
         str(model),
         device="cpu",
@@ -43,13 +50,18 @@ def llm_config(model: Path | str, **worker: object) -> LLMConfig:
         kv_cache_bytes=1 << 25,
         **worker,  # type: ignore[arg-type]
     )
-    return LLMConfig(EngineConfig(worker=config), start_timeout=120)
+    return LLMConfig(EngineConfig(worker=config), start_timeout=120, in_process=in_process)
 
 
 @pytest.fixture
-async def llm(tiny_dir: Path) -> AsyncIterator[AsyncLLM]:
-    async with open_llm(llm_config(tiny_dir)) as llm:
+async def llm(tiny_dir: Path, in_process: bool) -> AsyncIterator[AsyncLLM]:
+    async with open_llm(llm_config(tiny_dir, in_process)) as llm:
         yield llm
+
+
+def split_only(in_process: bool, why: str) -> None:
+    if in_process:
+        pytest.skip(f"about the engine process: {why}")
 
 
 async def test_streaming_equals_non_streaming(llm: AsyncLLM) -> None:
@@ -147,7 +159,10 @@ async def test_cancelled_consumers_abort_in_the_engine(llm: AsyncLLM) -> None:
     assert not llm._processor.states
 
 
-async def test_sigkill_of_the_engine_fails_64_streams_naming_sigkill(llm: AsyncLLM) -> None:
+async def test_sigkill_of_the_engine_fails_64_streams_naming_sigkill(
+    llm: AsyncLLM, in_process: bool
+) -> None:
+    split_only(in_process, "a thread cannot be killed alone")
     errors: list[BaseException] = []
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     started = trio.Event()
@@ -179,19 +194,21 @@ async def test_sigkill_of_the_engine_fails_64_streams_naming_sigkill(llm: AsyncL
 
 
 async def test_an_injected_forward_exception_names_the_exception_and_function(
-    tiny_dir: Path,
+    tiny_dir: Path, in_process: bool
 ) -> None:
-    async with open_llm(llm_config(tiny_dir, inject_fault="forward:0:3")) as llm:
+    async with open_llm(llm_config(tiny_dir, in_process, inject_fault="forward:0:3")) as llm:
         with pytest.raises(EngineDeadError, match="InjectedFault in worker rank 0") as info:
             await llm.complete("boom", SamplingParams(max_tokens=50, ignore_eos=True))
         assert "LlamaForCausalLM.forward" in str(info.value)
         assert "in forward" in str(info.value.__cause__)
 
 
-async def test_a_bad_model_path_fails_fast_with_the_engines_message(tmp_path: Path) -> None:
+async def test_a_bad_model_path_fails_fast_with_the_engines_message(
+    tmp_path: Path, in_process: bool
+) -> None:
     started = time.monotonic()
     with pytest.raises(EngineStartError, match="does not exist"):
-        async with open_llm(llm_config(tmp_path / "missing")):
+        async with open_llm(llm_config(tmp_path / "missing", in_process)):
             pass
     assert time.monotonic() - started < 30
 
@@ -214,8 +231,9 @@ async def test_prompt_logprobs_cover_every_prompt_token(llm: AsyncLLM) -> None:
 
 
 async def test_an_engine_that_dies_before_attaching_names_its_exit(
-    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch, in_process: bool
 ) -> None:
+    split_only(in_process, "its interpreter exits before it attaches")
     monkeypatch.setattr("sys.executable", "/bin/false")  # the "engine" exits 1 at once
     with pytest.raises(
         EngineStartError, match="the engine failed to start: engine exited with code 1"
@@ -224,9 +242,12 @@ async def test_an_engine_that_dies_before_attaching_names_its_exit(
             pass
 
 
-async def test_the_engine_outlives_trios_idle_worker_threads(llm: AsyncLLM) -> None:
+async def test_the_engine_outlives_trios_idle_worker_threads(
+    llm: AsyncLLM, in_process: bool
+) -> None:
     """Regression: spawned from a trio worker thread, the engine got its parent-death
     SIGKILL when trio reaped that thread after 10 s idle."""
+    split_only(in_process, "its parent-death signal")
     await trio.to_thread.run_sync(lambda: None)  # a worker thread exists, then idles
     await trio.sleep(12)
     output = (await llm.complete("still there?", GREEDY))[0]

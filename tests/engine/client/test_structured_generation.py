@@ -61,7 +61,12 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def config(
-    model: Path, *, kv_bytes: int = 1 << 25, timeout: float = 10.0, max_model_len: int = 512
+    model: Path,
+    *,
+    kv_bytes: int = 1 << 25,
+    timeout: float = 10.0,
+    max_model_len: int = 512,
+    in_process: bool = False,
 ) -> LLMConfig:
     worker = WorkerConfig(
         str(model),
@@ -71,12 +76,15 @@ def config(
         kv_cache_bytes=kv_bytes,
         max_model_len=max_model_len,
     )
-    return LLMConfig(EngineConfig(worker=worker, structured_outputs_timeout=timeout))
+    return LLMConfig(
+        EngineConfig(worker=worker, structured_outputs_timeout=timeout), in_process=in_process
+    )
 
 
-@pytest.fixture
-async def llm(tiny_dir: Path) -> AsyncIterator[AsyncLLM]:
-    async with open_llm(config(tiny_dir)) as llm:
+@pytest.fixture(params=["split", "in_process"])
+async def llm(tiny_dir: Path, request: pytest.FixtureRequest) -> AsyncIterator[AsyncLLM]:
+    """The engine in its own process, and in this one (the same tests for both)."""
+    async with open_llm(config(tiny_dir, in_process=request.param == "in_process")) as llm:
         yield llm
 
 
