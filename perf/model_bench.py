@@ -12,6 +12,11 @@ bytes of its weights over this machine's read bandwidth (a 1 GiB `torch.sum`).
 
     python perf/model_bench.py [--model DIR] [--batches 1,8,32] [--dtypes float32,bfloat16]
     python perf/model_bench.py --quantization none,gguf [--model FILE.gguf] [--batches 1,32]
+
+`--kernels` times the candidate weight-only kernels alone on SmolLM2's linear shapes at M =
+each batch size, interleaved: float32 packed for oneDNN (the baseline), torch's int4
+(`_weight_int4pack_mm_for_cpu`) and int8 (`_weight_int8pack_mm`) kernels with bfloat16 and
+with float32 activations, and fbgemm's float16 (`quantized.linear_dynamic_fp16`).
 """
 
 from __future__ import annotations
@@ -86,6 +91,63 @@ def read_bandwidth(repeats: int = 7) -> float:
         data.sum()
         times.append(time.perf_counter() - start)
     return data.numel() * 4 / statistics.median(times)
+
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+SHAPES["head"] = (49152, 576)
+
+
+def kernel_candidates(n: int, k: int, m: int) -> dict[str, Any]:
+    """name -> a call computing [m, k] x [n, k]^T with that kernel (random weights)."""
+    from trillm.gpu._cpu_linear import pack_weight, packed_linear
+
+    w = torch.randn(n, k) * 0.05
+    x = torch.randn(m, k)
+    xb = x.bfloat16()
+    packed = pack_weight(w)
+    q4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        torch.randint(0, 16, (n, k), dtype=torch.int32), 1
+    )
+    sz = torch.rand(k // 32, n, 2)
+    q8, s8 = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n)
+    fp16 = torch.ops.quantized.linear_prepack_fp16(w, None)
+    int4 = torch.ops.aten._weight_int4pack_mm_for_cpu
+    int8 = torch.ops.aten._weight_int8pack_mm
+    calls = {
+        "float32": lambda: packed_linear(x, packed, None),
+        "int4_bf16": lambda: int4(xb, q4, 32, sz.bfloat16()),
+        "int8_bf16": lambda: int8(xb, q8, s8.bfloat16()),
+        "fp16_fbgemm": lambda: torch.ops.quantized.linear_dynamic_fp16(x, fp16),
+    }
+    if m == 1:  # the float32-activation paths are scalar: too slow to time at larger M
+        calls["int4_f32"] = lambda: int4(x, q4, 32, sz)
+        calls["int8_f32"] = lambda: int8(x, q8, s8)
+    return calls
+
+
+def kernels_main(args: argparse.Namespace) -> None:
+    """Each candidate kernel against float32 oneDNN on each shape, interleaved, medians."""
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}; median ms (x = float32 / kernel)"
+    )
+    for m in map(int, args.batches.split(",")):
+        for name, (n, k) in SHAPES.items():
+            calls = kernel_candidates(n, k, m)
+            times: dict[str, list[float]] = {c: [] for c in calls}
+            for call in calls.values():
+                call()
+            for _ in range(args.repeats):
+                for c, call in calls.items():
+                    start = time.perf_counter()
+                    call()
+                    times[c].append(time.perf_counter() - start)
+            base = statistics.median(times["float32"])
+            cells = [
+                f"{c} {statistics.median(t) * 1e3:.3f} (x{base / statistics.median(t):.2f})"
+                for c, t in times.items()
+            ]
+            print(f"M={m:<4} {name:<8} " + "  ".join(cells), flush=True)
 
 
 def quantization_main(args: argparse.Namespace) -> None:
@@ -166,7 +228,13 @@ def main() -> None:
         help="compare trillm's --quantization settings on one GGUF file (e.g. none,gguf; "
         "the first is the baseline) instead of trillm against transformers",
     )
+    parser.add_argument(
+        "--kernels", action="store_true", help="time the candidate weight-only kernels alone"
+    )
     args = parser.parse_args()
+    if args.kernels:
+        kernels_main(args)
+        return
     if args.quantization is not None:
         quantization_main(args)
         return

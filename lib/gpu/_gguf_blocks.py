@@ -83,8 +83,9 @@ class QuantizedTensor:
         if start % BLOCK_SIZE or length % BLOCK_SIZE:
             raise ValueError(
                 f"columns {start}:{start + length} of a {self.type_name} weight split its "
-                f"{BLOCK_SIZE}-weight blocks; the tensor-parallel shard must be a multiple of "
-                f"{BLOCK_SIZE} columns"
+                f"{BLOCK_SIZE}-weight blocks: a tensor-parallel shard of a weight kept "
+                f"quantized must be a multiple of {BLOCK_SIZE} columns; choose a "
+                f"tensor-parallel size that makes it one, or use --quantization none"
             )
         return QuantizedTensor(
             self.qtype, self.blocks.narrow(1, start // BLOCK_SIZE, length // BLOCK_SIZE)

@@ -157,7 +157,14 @@ def test_shards_are_block_rows_and_block_aligned_columns() -> None:
         assert row.quantized is not None
         expected = F.linear(part.bfloat16().float(), full[:, rank * 64 : rank * 64 + 64])
         torch.testing.assert_close(row.quantized(part), expected, rtol=0, atol=0.05)
-    with pytest.raises(ValueError, match="the tensor-parallel shard must be a multiple of 32"):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "columns 16:80 of a Q4_1 weight split its 32-weight blocks: a tensor-parallel shard "
+            "of a weight kept quantized must be a multiple of 32 columns; choose a "
+            "tensor-parallel size that makes it one, or use --quantization none"
+        ),
+    ):
         weight.cols(16, 64)
 
 
