@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "gguf", "none"],
         help="gguf: keep a GGUF file's Q4_0/Q4_1/Q8_0 weights quantized in memory (int4 and "
         "float16 CPU kernels, bfloat16 activations for int4); none: dequantise them to --dtype; "
-        "auto: gguf for a GGUF file on the CPU, else none",
+        "auto: gguf for a GGUF file on the CPU, else none. With no MODEL, gguf serves the "
+        "built-in model's GGUF file, auto and none its float32 conversion",
     )
     serve.add_argument(
         "--attention-backend",
@@ -262,10 +263,12 @@ def serve_main(args: argparse.Namespace) -> int:
     import trio
 
     from .gpu import WorkerConfig
-    from .gpu._default_model import DEFAULT_MODEL_NAME, default_model_dir
+    from .gpu._default_model import DEFAULT_MODEL_NAME, default_model_dir, find_default_gguf
     from .http._server import build_config, run_server
 
-    model = args.model or str(default_model_dir())
+    model = args.model
+    if model is None:  # the built-in model: its GGUF file kept quantized, else the converted dir
+        model = str(find_default_gguf() if args.quantization == "gguf" else default_model_dir())
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else args.model)
     worker = WorkerConfig(
         model,

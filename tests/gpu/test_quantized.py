@@ -428,3 +428,14 @@ def test_smollm2_q4_1_kept_quantized_takes_about_its_file_size_in_memory(
     assert grown["gguf"]["weights"] < 1.8 * file_bytes
     assert grown["none"]["weights"] > 6 * file_bytes
     assert grown["gguf"]["rss"] < 2.5 * file_bytes < grown["none"]["rss"], grown
+
+
+def test_the_serve_flag_is_named_like_vllms() -> None:
+    from trillm.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).quantization == "auto"
+    assert parser.parse_args(["serve", "--quantization", "none"]).quantization == "none"
+    assert parser.parse_args(["serve", "-q", "gguf"]).quantization == "gguf"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "-q", "awq"])
