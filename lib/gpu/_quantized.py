@@ -11,12 +11,13 @@ size, and multiplies them with torch's CPU kernels:
       Q4_0    w = d * (q - 8)         ->  q4 = q, scale = d, zero = 0
       Q4_1    w = d * q + m           ->  q4 = q, scale = d, zero = m + 8 d
 
-  The nibbles are kept exactly; the float16 `d` and `zero` are rounded to bfloat16 (relative
-  error <= 2^-9 each), and activations and outputs are bfloat16: the kernel's float32 and
-  float16 paths are scalar, 5-30x slower than the float32 dense linear on our CPUs.
+  The nibbles are kept exactly; the float16 `d` and `zero` are rounded to bfloat16 (8
+  significant bits: relative error <= 2^-8 each), and activations and outputs are bfloat16
+  (2^-8 each too), because the kernel's float32-activation path is scalar: 8-14x slower than
+  the float32 oneDNN linear at one token (`perf/model_bench.py --kernels`).
 - **Q8_0 -> float16** (`quantized.linear_dynamic_fp16`, fbgemm: float16 weights, float32
   activations, accumulation and output): each block is dequantised to float32 and rounded to
-  float16 (`d * q` has up to 19 significant bits, float16 keeps 11: relative error <= 2^-12),
+  float16 (`d * q` has up to 19 significant bits, float16 keeps 11: relative error <= 2^-11),
   2 bytes a weight instead of 1.06. Q8_0 is the embedding and tied head of SmolLM2's Q4_1
   file. The alternatives were measured and are worse: `_weight_int8pack_mm` has one scale per
   output row, so the per-block scales would have to be requantized (an error as large as
