@@ -5,7 +5,7 @@ row-parallel layers split their input features and all-reduce the partial sums. 
 knows how to take its shard out of a full Hugging Face weight (`load`), so a checkpoint is
 read once, whatever the tensor-parallel size. A GGUF weight kept in its blocks
 (`QuantizedTensor`) is sharded the same way, block rows or block-aligned columns, and packed for
-the int4 kernel by `finish_quantized` once every part has arrived (`_quantized`).
+its kernel (int4 or float16) by `finish_quantized` once every part has arrived (`_quantized`).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class ColumnParallelLinear(nn.Module):
         target.data[start : start + shard].copy_(rows)
 
     def finish_quantized(self) -> None:
-        """Pack the kept parts for the int4 kernel; if only some parts came quantized (a file
+        """Pack the kept parts for their kernel; if only some parts came quantized (a file
         that mixes types), dequantise them into the dense weight instead."""
         parts, self._quantized_parts = self._quantized_parts, {}
         if len(parts) == len(self.shard_sizes):
@@ -166,7 +166,7 @@ class RowParallelLinear(nn.Module):
         self.weight.data.copy_(weight.narrow(1, self.tp.rank * self.shard, self.shard))
 
     def finish_quantized(self) -> None:
-        """Pack the kept columns for the int4 kernel."""
+        """Pack the kept columns for their kernel (int4 or float16)."""
         if self._quantized_columns is not None:
             self.quantized = pack_quantized([self._quantized_columns])
             self._quantized_columns = None
@@ -203,7 +203,7 @@ class VocabParallelEmbedding(nn.Module):
         )
         self.packed_head: torch.Tensor | None = None
         # Quantized: the blocks for the lookup (dequantised per looked-up row) and the head
-        # packed for the int4 kernel, in place of the dense matrix and its oneDNN copy.
+        # packed for its kernel (float16 for Q8_0), in place of the dense matrix and its copy.
         self.quantized_table: QuantizedTensor | None = None
         self.quantized_head: QuantizedLinearWeight | None = None
 

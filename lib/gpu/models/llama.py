@@ -194,8 +194,8 @@ class LlamaForCausalLM(nn.Module):
         """Load Hugging Face-named tensors, each split into this rank's shard.
 
         Args:
-            keep_quantized: keep `QuantizedTensor`s (GGUF blocks) quantized, for the int4
-                kernel; otherwise they are dequantised to float32 as they arrive.
+            keep_quantized: keep `QuantizedTensor`s (GGUF blocks) quantized, for the
+                `_quantized` kernels; otherwise they are dequantised to float32 as they arrive.
 
         Returns:
             The checkpoint names loaded.
@@ -216,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
         return loaded
 
     def _finish_quantized(self) -> None:
-        """Pack every kept quantized weight for the int4 kernel, once all parts are in."""
+        """Pack every kept quantized weight for its kernel, once all parts are in."""
         for module in self.modules():
             if isinstance(module, ColumnParallelLinear | RowParallelLinear):
                 module.finish_quantized()
