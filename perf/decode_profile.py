@@ -41,25 +41,32 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 
 def weight_bytes(worker: Worker) -> int:
-    """Bytes one decode step reads at least: every parameter and buffer once (a tied
-    embedding table is read whole by the LM head; the rotary tables are counted too)."""
+    """Bytes one decode step reads at least: the model's own count (dense, packed for
+    oneDNN or quantized; the embedding table only by row)."""
     model = worker.runner.model
     assert model is not None
-    total = 0
-    for tensor in [*model.parameters(), *model.buffers()]:
-        total += tensor.numel() * tensor.element_size()
-    return total
+    return model.decode_read_bytes()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--model", help="default: the built-in SmolLM2 (its float32 conversion)")
+    p.add_argument("--quantization", default="auto")
+    p.add_argument("--cpu-linear", default="auto", help="auto, onednn or aten (MKL)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    config = WorkerConfig(str(default_model_dir()), device="cpu", dtype=args.dtype, max_num_seqs=8)
+    config = WorkerConfig(
+        args.model or str(default_model_dir()),
+        device="cpu",
+        dtype=args.dtype,
+        max_num_seqs=8,
+        quantization=args.quantization,
+        cpu_linear=args.cpu_linear,
+    )
     worker = Worker(config)
     worker.init_device()
     worker.load_model()
@@ -89,6 +96,7 @@ def main() -> None:
     top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
     result = {
         "dtype": args.dtype,
+        "kernels": worker.kernels.describe() if worker.kernels else "",
         "threads": torch.get_num_threads(),
         "decode_step_ms_median": statistics.median(steps),
         "decode_step_ms_all": steps,
