@@ -25,11 +25,11 @@ import trio
 from ..protocol import _messages as P
 from ..protocol._errors import RemoteError
 from ._config import LLMConfig
-from ._detokenizer import IncrementalDetokenizer, StopChecker
 from ._engine_client import EngineClient
-from ._errors import EngineDeadError, EngineRestartingError, PromptTooLongError
+from ._errors import EngineDeadError, EngineRestartingError
+from ._input_processor import InputProcessor
 from ._launch import EngineStartError
-from ._output_processor import OutputProcessor, RequestState
+from ._output_processor import OutputProcessor
 from ._outputs import Mailbox, Output
 from ._restarts import RestartPolicy
 from ._resume import judge, poison_error, release_quarantined, resend
@@ -47,7 +47,7 @@ class AsyncLLM:
         self.tokenizer: Any = None
         self._grammar_checker: GrammarChecker | None = None
         self._chat_template: str | None = None  # LLMConfig.chat_template's text
-        self._backend: Any = None
+        self._inputs: InputProcessor  # made once the tokenizer and READY are there
         self._rnums = itertools.count(1)
         self._processor = OutputProcessor()
         self._dead: EngineDeadError | None = None  # set once every engine is dead
@@ -114,7 +114,10 @@ class AsyncLLM:
         await self._wait_for_an_engine()
         engine = self.engines[self._router.choose(token_ids)]
         mailbox = Mailbox()
-        states = [self._new_state(mailbox, i, token_ids, params) for i in range(params.n)]
+        states = [
+            self._inputs.new_state(next(self._rnums), mailbox, i, token_ids, params)
+            for i in range(params.n)
+        ]
         for state in states:
             state.engine = engine.index
             self._processor.states[state.rnum] = state
@@ -160,15 +163,7 @@ class AsyncLLM:
     ) -> list[int]:
         """The chat template (`LLMConfig.chat_template`, else the model's) over `messages`,
         ready for a reply, as token ids; `tools` go to a template that reads them."""
-        text = self.tokenizer.apply_chat_template(
-            messages,
-            tools=tools,
-            chat_template=self._chat_template,
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        ids: list[int] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return ids
+        return self._inputs.chat_ids(self._inputs.render_chat(messages, tools))
 
     @property
     def template_reads_tools(self) -> bool:
@@ -190,17 +185,7 @@ class AsyncLLM:
         Raises:
             ValueError: an empty prompt or a token id outside the vocabulary.
         """
-        if isinstance(prompt, str):
-            ids: list[int] = self.tokenizer(prompt)["input_ids"]
-        else:
-            ids = list(prompt)
-            vocab = self.ready.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if not ids:
-            raise ValueError("the prompt is empty: send at least one token")
-        return ids
+        return self._inputs.tokenize(prompt)
 
     def check_length(self, num_prompt: int, params: SamplingParams) -> int:
         """The request's max_tokens, checked against the model's maximum length.
@@ -208,33 +193,7 @@ class AsyncLLM:
         Raises:
             PromptTooLongError: prompt + max_tokens exceed it (the message quotes both).
         """
-        limit = self.ready.max_model_len
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - num_prompt
-        if num_prompt + max_tokens > limit or max_tokens < 1:
-            raise PromptTooLongError(
-                f"the prompt has {num_prompt} tokens and max_tokens is {max_tokens}: together "
-                f"{num_prompt + max_tokens}, more than the model's maximum length {limit}; "
-                f"shorten the prompt or lower max_tokens"
-            )
-        return max_tokens
-
-    def _new_state(
-        self, mailbox: Mailbox, index: int, token_ids: list[int], params: SamplingParams
-    ) -> RequestState:
-        stops = params.stop_strings
-        return RequestState(
-            rnum=next(self._rnums),
-            index=index,
-            mailbox=mailbox,
-            detokenizer=IncrementalDetokenizer(
-                self._backend, token_ids, skip_special_tokens=params.skip_special_tokens
-            ),
-            stop=StopChecker(stops, params.include_stop_str_in_output) if stops else None,
-            num_prompt_tokens=len(token_ids),
-            prompt_token_ids=token_ids,
-            logprobs=params.logprobs,
-            arrival_time=time.monotonic(),
-        )
+        return self._inputs.check_length(num_prompt, params)
 
     async def check_structured(self, params: SamplingParams) -> str:
         """The checked grammar of `params.structured_outputs` ("" for none), so a bad one is
@@ -343,7 +302,6 @@ class AsyncLLM:
             if self.config.chat_template is not None:
                 with open(self.config.chat_template) as f:
                     self._chat_template = f.read()
-            self._backend = self.tokenizer.backend_tokenizer
         except Exception as exc:  # the engine's own error, if any, says more: report it first
             tokenizer_error = exc
         deadline = trio.current_time() + self.config.start_timeout
@@ -353,6 +311,7 @@ class AsyncLLM:
         self.ready = self.engines[0].ready
         if tokenizer_error is not None:
             raise tokenizer_error
+        self._inputs = InputProcessor(self.tokenizer, self.ready, self._chat_template)
         for engine in self.engines:
             engine.start_tasks(nursery, self._watchdog_timeout)
 

@@ -2,10 +2,7 @@
 templates, and the per-child `RequestState` the output processor fills (DESIGN.md §1's
 InputProcessor).
 
-Nothing here waits, so the synchronous `LLM` uses it as is. `AsyncLLM` holds the same logic
-as methods of its own (`tokenize`, `check_length`, `apply_chat_template`, `_new_state`);
-moving it onto this class is a follow-up, kept out of a change made while `_async_llm` was
-being edited by another hand.
+Nothing here waits, so the synchronous `LLM` and the trio `AsyncLLM` share it as is.
 """
 
 from __future__ import annotations
@@ -65,10 +62,17 @@ class InputProcessor:
             )
         return max_tokens
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """The chat template over `messages`, ready for the assistant's reply, as text."""
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The chat template over `messages`, ready for the assistant's reply, as text;
+        `tools` go to a template that reads them."""
         text: str = self.tokenizer.apply_chat_template(
-            messages, chat_template=self._chat_template, tokenize=False, add_generation_prompt=True
+            messages,
+            tools=tools,
+            chat_template=self._chat_template,
+            tokenize=False,
+            add_generation_prompt=True,
         )
         return text
 
