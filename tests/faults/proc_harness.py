@@ -228,3 +228,55 @@ async def strike_during_streams(
             struck = time.monotonic()
             strike()
     return streams, [s.ended_at - struck for s in streams if s.ended_at is not None], struck
+
+
+@dataclass
+class Resumed:
+    """What streams that ran through a strike (a kill, a stop) got: their text, the error
+    events, and the seconds from the strike to the first token after it (None: none came)."""
+
+    texts: list[str]
+    errors: list[str]
+    first_after_strike: float | None
+
+
+async def stream_through_strike(
+    client: httpx.AsyncClient,
+    url: str,
+    prompts: list[str],
+    body: dict[str, object],
+    strike: Callable[[], None],
+) -> Resumed:
+    """Stream a completion of each prompt; once every stream has a token, `strike()`; read
+    them all to their end."""
+    texts = [""] * len(prompts)
+    errors: list[str] = []
+    flowing = trio.Event()
+    started: set[int] = set()
+    struck_at: list[float] = []
+    after: list[float] = []
+
+    async def one(i: int) -> None:
+        request = {"prompt": prompts[i], "stream": True, **body}
+        async with client.stream("POST", url, json=request) as response:
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    errors.append(event["error"]["message"])
+                    continue
+                texts[i] += event["choices"][0]["text"]
+                if struck_at and not after:
+                    after.append(time.monotonic() - struck_at[0])
+                started.add(i)
+                if len(started) == len(prompts):
+                    flowing.set()
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(one, i)
+        await flowing.wait()
+        struck_at.append(time.monotonic())
+        strike()
+    return Resumed(texts, errors, after[0] if after else None)

@@ -6,7 +6,6 @@ counts it; a request after it succeeds; no shared-memory segment of the dead eng
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -21,7 +20,7 @@ from trillm.gpu._default_model import default_model_dir
 from ..procs import children
 from .figures import record
 from .http_harness import parse_metrics, tiny_model_dir
-from .proc_harness import Served, completion, served, wait_for
+from .proc_harness import Served, completion, served, stream_through_strike, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -139,41 +138,14 @@ async def test_32_open_streams_resume_after_a_sigkill_with_the_uninterrupted_tex
                 for i in range(32):
                     nursery.start_soon(uninterrupted, i)
             engine = server.engine_pid()
-            texts = [""] * 32
-            errors: list[str] = []
-            flowing = trio.Event()
-            started: set[int] = set()
-            killed_at: list[float] = []
-            after_kill: list[float] = []
-
-            async def one(i: int) -> None:
-                request = {"prompt": prompts[i], "stream": True, **body}
-                async with client.stream("POST", url, json=request) as response:
-                    async for line in response.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        event = json.loads(line[6:])
-                        if "error" in event:
-                            errors.append(event["error"]["message"])
-                            continue
-                        texts[i] += event["choices"][0]["text"]
-                        if killed_at and not after_kill:
-                            after_kill.append(time.monotonic() - killed_at[0])
-                        started.add(i)
-                        if len(started) == 32:
-                            flowing.set()
-
-            async with trio.open_nursery() as nursery:
-                for i in range(32):
-                    nursery.start_soon(one, i)
-                await flowing.wait()
-                killed_at.append(time.monotonic())
-                os.kill(engine, signal.SIGKILL)
-        assert not errors
-        assert texts == expected
-        assert after_kill, (
+            got = await stream_through_strike(
+                client, url, prompts, body, lambda: os.kill(engine, signal.SIGKILL)
+            )
+        assert not got.errors
+        assert got.texts == expected
+        assert got.first_after_strike is not None, (
             f"no token after the kill: every stream had ended before it\n{server.output()}"
         )
         record(15, "SIGKILL of the engine, 32 open streams: kill to the first resumed token",
-               after_kill[0], "s")  # fmt: skip
+               got.first_after_strike, "s")  # fmt: skip
         assert "32 open requests resume on it" in server.output()

@@ -6,7 +6,6 @@ The restart itself is `tests/faults/test_engine_restart.py`; these are the cases
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -20,7 +19,7 @@ import trio
 from ..procs import children
 from .figures import record
 from .http_harness import tiny_model_dir
-from .proc_harness import Served, completion, served, shm_names_of, wait_for
+from .proc_harness import Served, completion, served, shm_names_of, stream_through_strike, wait_for
 
 TP2_START_TIMEOUT = 240  # two ranks importing torch on two busy cores
 
@@ -74,44 +73,17 @@ async def test_sigkill_or_sigstop_of_worker_rank_1_at_tp2_resumes_8_streams_with
                 for i in range(8):
                     nursery.start_soon(uninterrupted, i)
             rank1 = server.worker_pids()[1]
-            texts = [""] * 8
-            errors: list[str] = []
-            flowing = trio.Event()
-            started: set[int] = set()
-            killed_at: list[float] = []
-            after_kill: list[float] = []
-
-            async def one(i: int) -> None:
-                request = {"prompt": prompts[i], "stream": True, **body}
-                async with client.stream("POST", url, json=request) as response:
-                    async for line in response.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        event = json.loads(line[6:])
-                        if "error" in event:
-                            errors.append(event["error"]["message"])
-                            continue
-                        texts[i] += event["choices"][0]["text"]
-                        if killed_at and not after_kill:
-                            after_kill.append(time.monotonic() - killed_at[0])
-                        started.add(i)
-                        if len(started) == 8:
-                            flowing.set()
-
             with trio.fail_after(300):
-                async with trio.open_nursery() as nursery:
-                    for i in range(8):
-                        nursery.start_soon(one, i)
-                    await flowing.wait()
-                    killed_at.append(time.monotonic())
-                    os.kill(rank1, getattr(signal, strike))
-        assert not errors
-        assert texts == expected
-        assert after_kill, (
+                got = await stream_through_strike(
+                    client, url, prompts, body, lambda: os.kill(rank1, getattr(signal, strike))
+                )
+        assert not got.errors
+        assert got.texts == expected
+        assert got.first_after_strike is not None, (
             f"no token after the kill: every stream had ended before it\n{server.output()}"
         )
         record(20, f"{strike} of worker rank 1 at TP=2, 8 open streams: signal to the first "
-               "resumed token", after_kill[0], "s")  # fmt: skip
+               "resumed token", got.first_after_strike, "s")  # fmt: skip
         output = server.output()
         if strike == "SIGKILL":
             assert "worker rank 1 process killed by signal 9" in output
