@@ -4,10 +4,13 @@
 waits for READY, and runs each engine's tasks in its own nursery (`_engine_client`: the
 output pump, the supervisor, the watchdog). A request goes to one engine (`_router`: by
 load, with prefix affinity). An engine's death, told by a DEAD record, seen as the process
-exit or declared by the watchdog (SIGSTOP: alive to the pidfd, dead to its clients), fails
-that engine's open requests in one synchronous pass with an `EngineDeadError` naming the
-root cause (and the engine, under data parallelism); the others keep serving. Once every
-engine is dead, every later call raises it at once.
+exit or declared by the watchdog (SIGSTOP: alive to the pidfd, dead to its clients), is
+logged with its root cause; within `max_engine_restarts` the engine is started again and its
+open requests resume on it (`_resume`: prompt + tokens so far; a poison request is found and
+fails alone). Past the bound, that engine's open requests fail in one synchronous pass with
+an `EngineDeadError` naming the root cause (and the engine, under data parallelism); the
+others keep serving. Once every engine is dead, every later call raises it at once. With
+`in_process` the one engine is a thread of this process (`_inproc`).
 """
 
 from __future__ import annotations
