@@ -343,7 +343,7 @@ def main() -> None:
             [str(exe), "serve", "--help"], capture_output=True, text=True, check=True
         ).stdout
         pairings += llamacpp_pairings(args, exe, serve_help, threads)
-        from decode_profile import read_bandwidth  # imports transformers: only when needed
+        from model_bench import read_bandwidth  # imports transformers: only when needed
 
         read_rate = read_bandwidth()
         weights = {"fp32": (args.model / "model.safetensors").stat().st_size}

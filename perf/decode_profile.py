@@ -4,7 +4,7 @@ Runs a 128-token prompt and `--new-tokens` greedy decode steps through trillm's 
 (the built-in SmolLM2-135M, CPU), then the same under the torch profiler, and prints:
 - the median decode step (ms) and the floor: the bytes one step must read (every linear
   weight once, and the LM head) over the machine's read bandwidth, a 1 GiB `torch.sum`
-  measured in the same run;
+  measured in the same run (`model_bench.read_bandwidth`, the median of 7);
 - torch ops per step and the profiler's self time grouped: linears, attention, other.
 
     python perf/decode_profile.py [--dtype float32] [--new-tokens 32] [--json PATH]
@@ -15,29 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections import Counter
 from pathlib import Path
 
 import torch
-from model_bench import prompts, trillm_run
+from model_bench import prompts, read_bandwidth, trillm_run
 from torch.profiler import profile
 
 from trillm.gpu import Worker, WorkerConfig
 from trillm.gpu._default_model import default_model_dir
 
 LINEAR = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear")
-
-
-def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Bytes per second a `torch.sum` over `gib` GiB of fp32 reads (best of `repeats`)."""
-    data = torch.ones(int(gib * (1 << 30)) // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
-    return data.numel() * 4 / best
 
 
 def weight_bytes(worker: Worker) -> int:

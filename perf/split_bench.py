@@ -25,19 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from host_overhead import cpu_seconds  # perf/ is scripts: the one next to this
 
 from trillm.engine import AsyncLLM, EngineConfig, LLMConfig, SamplingParams, open_llm
 from trillm.gpu import WorkerConfig
 from trillm.gpu._default_model import default_model_dir
-
-
-def process_cpu(pid: int) -> float:
-    """CPU seconds of every thread of `pid` so far (its schedstat run time)."""
-    total = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-            total += int(f.read().split()[0])
-    return total / 1e9
 
 
 def config(model: str, step_time: float, in_process: bool) -> LLMConfig:
@@ -69,9 +61,9 @@ async def measure(llm: AsyncLLM, batch: int, max_tokens: int, step_time: float) 
     engine = llm.engines[0]
     split = not engine.in_process
     me, child = os.getpid(), engine.process.pid
-    cpu0 = process_cpu(me) + (process_cpu(child) if split else 0.0)
+    cpu0 = cpu_seconds(me) + (cpu_seconds(child) if split else 0.0)
     tokens, wall = await run_batch(llm, batch, max_tokens)
-    cpu = process_cpu(me) + (process_cpu(child) if split else 0.0) - cpu0
+    cpu = cpu_seconds(me) + (cpu_seconds(child) if split else 0.0) - cpu0
     steps = max_tokens  # one token per request per step, all admitted in the first
     return {
         "tokens_per_s": tokens / wall,

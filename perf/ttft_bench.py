@@ -16,14 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import torch
-from host_overhead import free_port  # perf/ is scripts: the one next to this
+from compare import serving  # perf/ is scripts: the ones next to this
+from host_overhead import free_port
 from model_bench import prompts, trillm_run
 
 from trillm.gpu import Worker, WorkerConfig
@@ -42,20 +43,6 @@ def first_token_s(client: httpx.Client, base: str, ids: list[int]) -> float:
     raise RuntimeError("the stream ended without a token")
 
 
-def wait_healthy(process: subprocess.Popen[bytes], base: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError("trillm serve exited before it was healthy")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"trillm serve was not healthy within {timeout} s")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt-len", type=int, default=128)
@@ -71,28 +58,22 @@ def main() -> None:
     worker.init_kv_cache(worker.num_available_kv_blocks())
     vocab = worker.runner.model_config.vocab_size
     port = free_port()
-    base = f"http://127.0.0.1:{port}"
     command = [
         sys.executable, "-m", "trillm.cli", "serve", model, "--port", str(port),
         "--dtype", args.dtype, "--no-enable-prefix-caching", *args.serve_args,
     ]  # fmt: skip
-    server = subprocess.Popen(command, stderr=subprocess.DEVNULL)
     forward: list[float] = []
     ttft: list[float] = []
-    try:
-        wait_healthy(server, base)
-        with httpx.Client(timeout=120) as client:
-            for i in range(args.repeats + 2):  # the first two of each warm up
-                ids = prompts(1, args.prompt_len, vocab)[0]
-                ids[0] = 100 + i  # a new prompt each time
-                step = trillm_run(worker, [ids], 1)[0]
-                first = first_token_s(client, base, ids)
-                if i >= 2:
-                    forward.append(step)
-                    ttft.append(first)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+    log = Path(tempfile.gettempdir()) / f"trillm-ttft-bench-{port}.log"
+    with serving("trillm", command, port, log) as base, httpx.Client(timeout=120) as client:
+        for i in range(args.repeats + 2):  # the first two of each warm up
+            ids = prompts(1, args.prompt_len, vocab)[0]
+            ids[0] = 100 + i  # a new prompt each time
+            step = trillm_run(worker, [ids], 1)[0]
+            first = first_token_s(client, base, ids)
+            if i >= 2:
+                forward.append(step)
+                ttft.append(first)
     f, t = statistics.median(forward) * 1e3, statistics.median(ttft) * 1e3
     result = {
         "prompt_len": args.prompt_len,

@@ -240,10 +240,29 @@ class Resumed:
     first_after_strike: float | None
 
 
+async def completion_texts(
+    client: httpx.AsyncClient,
+    url: str,
+    prompts: list[str] | list[list[int]],
+    body: dict[str, object],
+) -> list[str]:
+    """The text of a completion of each prompt, all sent at once (not streamed)."""
+    texts = [""] * len(prompts)
+
+    async def one(i: int) -> None:
+        reply = await client.post(url, json={"prompt": prompts[i], **body})
+        texts[i] = reply.json()["choices"][0]["text"]
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(one, i)
+    return texts
+
+
 async def stream_through_strike(
     client: httpx.AsyncClient,
     url: str,
-    prompts: list[str],
+    prompts: list[str] | list[list[int]],
     body: dict[str, object],
     strike: Callable[[], None],
 ) -> Resumed:

@@ -20,7 +20,14 @@ from trillm.gpu._default_model import default_model_dir
 from ..procs import children
 from .figures import record
 from .http_harness import parse_metrics, tiny_model_dir
-from .proc_harness import Served, completion, served, stream_through_strike, wait_for
+from .proc_harness import (
+    Served,
+    completion,
+    completion_texts,
+    served,
+    stream_through_strike,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -128,15 +135,7 @@ async def test_32_open_streams_resume_after_a_sigkill_with_the_uninterrupted_tex
     with served(default_model_dir(), *args) as server:
         url = f"{server.base_url}/v1/completions"
         async with httpx.AsyncClient(timeout=120) as client:
-            expected = [""] * 32
-
-            async def uninterrupted(i: int) -> None:
-                reply = await client.post(url, json={"prompt": prompts[i], **body})
-                expected[i] = reply.json()["choices"][0]["text"]
-
-            async with trio.open_nursery() as nursery:  # the same 32, never interrupted
-                for i in range(32):
-                    nursery.start_soon(uninterrupted, i)
+            expected = await completion_texts(client, url, prompts, body)  # never interrupted
             engine = server.engine_pid()
             got = await stream_through_strike(
                 client, url, prompts, body, lambda: os.kill(engine, signal.SIGKILL)

@@ -19,7 +19,15 @@ import trio
 from ..procs import children
 from .figures import record
 from .http_harness import tiny_model_dir
-from .proc_harness import Served, completion, served, shm_names_of, stream_through_strike, wait_for
+from .proc_harness import (
+    Served,
+    completion,
+    completion_texts,
+    served,
+    shm_names_of,
+    stream_through_strike,
+    wait_for,
+)
 
 TP2_START_TIMEOUT = 240  # two ranks importing torch on two busy cores
 
@@ -63,15 +71,7 @@ async def test_sigkill_or_sigstop_of_worker_rank_1_at_tp2_resumes_8_streams_with
     with served(model, *args, start_timeout=TP2_START_TIMEOUT) as server:
         url = f"{server.base_url}/v1/completions"
         async with httpx.AsyncClient(timeout=120) as client:
-            expected = [""] * 8
-
-            async def uninterrupted(i: int) -> None:
-                reply = await client.post(url, json={"prompt": prompts[i], **body})
-                expected[i] = reply.json()["choices"][0]["text"]
-
-            async with trio.open_nursery() as nursery:  # the same 8, never interrupted
-                for i in range(8):
-                    nursery.start_soon(uninterrupted, i)
+            expected = await completion_texts(client, url, prompts, body)  # never interrupted
             rank1 = server.worker_pids()[1]
             with trio.fail_after(300):
                 got = await stream_through_strike(

@@ -66,8 +66,9 @@ class EngineCore:
         self._rejected: list[int] = []  # invalid ADDs: reported as ERROR rows
         self._grammars: Grammars | None = None  # made at the first structured request
         # The requests of the step being executed (None between steps): if the step raises,
-        # the DEAD record names them (`RemoteError.step_rnums`).
-        self.step_rnums: list[int] | None = None
+        # the DEAD record names them (`RemoteError.step_rnums`). The scheduler's own array:
+        # nothing is copied on the hot path for a death that rarely comes.
+        self.step_rnums: np.ndarray | None = None
         self.is_paused = False  # `pause`: nothing is scheduled until `resume`
         self.sleep_level = 0  # `sleep`: 1 or 2 while asleep (no KV cache), 0 awake
         self._profiler: Any = None  # a running torch.profiler.profile
@@ -130,7 +131,7 @@ class EngineCore:
     def _step(self) -> None:
         self._needs_flush = False
         batch = self.scheduler.schedule()
-        self.step_rnums = batch.scheduled_rnums.tolist()
+        self.step_rnums = batch.scheduled_rnums
         masks = None
         if len(batch.grammar_rnums) and self._grammars is not None:
             masks = self._grammars.start_masks(self.scheduler.grammar_states(batch))

@@ -101,7 +101,7 @@ def serve(args: EngineArgs) -> int:
         except BaseException as exc:
             cause = root_cause(exc)
             if core is not None and core.step_rnums is not None:
-                cause = msgspec.structs.replace(cause, step_rnums=core.step_rnums)
+                cause = msgspec.structs.replace(cause, step_rnums=core.step_rnums.tolist())
             with contextlib.suppress(Exception):  # the frontend is gone or stuck: exit anyway
                 outputs.send(P.DEAD, msgspec.msgpack.encode(cause), timeout=5.0)
             print(cause.traceback or cause.describe(), file=sys.stderr)
