@@ -14,7 +14,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument("--api-key", help="default: $OPENAI_API_KEY")
     p.add_argument(
-        "--tokenizer", help="path or hub id; default: the model name if it is a local dir"
+        "--tokenizer",
+        help="path (directory or .gguf) or hub id; default: the model name if it is a local "
+        "directory or .gguf file, or the built-in model's when a trillm server serves it",
     )
     p.add_argument(
         "--dataset", choices=("random", "sharegpt", "prefix-repetition"), default="random"

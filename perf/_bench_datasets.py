@@ -31,10 +31,13 @@ class DatasetError(ValueError):
 
 
 def load_tokenizer(path: str) -> Any:
-    """A Hugging Face tokenizer from a local directory or hub id (imported late: it is slow)."""
-    from transformers import AutoTokenizer
+    """A Hugging Face tokenizer from a directory, a .gguf file or a hub id, as trillm loads it.
 
-    return AutoTokenizer.from_pretrained(path)
+    Imported late: it imports transformers and torch, which are slow.
+    """
+    from trillm.engine.client._streams import load_tokenizer as trillm_load_tokenizer
+
+    return trillm_load_tokenizer(path)
 
 
 def normal_token_ids(tokenizer: Any) -> np.ndarray:

@@ -42,24 +42,24 @@ from _bench_metrics import (
     per_request_arrays,
 )
 from _bench_plot import PlotUnavailableError, require_matplotlib, save_plot
+from _bench_tokenizer import TokenizerNotFoundError, find_tokenizer, served_models
 
 CPU_WARNING_FRACTION = 0.8
 
 
 def first_model(base_url: str, api_key: str | None) -> str:
     """The first model id the server lists, the default for `--model`."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    url = base_url.rstrip("/") + "/v1/models"
-    try:
-        resp = httpx.get(url, headers=headers, timeout=30)
-        resp.raise_for_status()
-    except httpx.HTTPError as e:
-        raise ValueError(f"cannot list the models at {url} ({e}): is the server up?") from None
-    return str(resp.json()["data"][0]["id"])
+    cards = served_models(base_url, api_key)
+    if not cards:
+        raise ValueError(f"the server at {base_url} lists no models: pass --model NAME")
+    return str(cards[0]["id"])
 
 
 def build_samples(args: argparse.Namespace, tokenizer: Any) -> list[SampleRequest]:
-    """The dataset's prompts; random kinds need the tokenizer to count exact token ids."""
+    """The dataset's prompts; random kinds need the tokenizer to count exact token ids.
+
+    `tokenizer` may be None only for sharegpt (the server's usage then counts the prompts).
+    """
     rng = np.random.default_rng(args.seed)
     as_text = args.endpoint == "chat" or args.prompt_format == "text"
     total = args.num_prompts + args.num_warmups
@@ -69,8 +69,6 @@ def build_samples(args: argparse.Namespace, tokenizer: Any) -> list[SampleReques
         return sharegpt_requests(
             args.dataset_path, total, tokenizer, rng, output_len=args.sharegpt_output_len
         )
-    if tokenizer is None:
-        raise DatasetError(f"--dataset {args.dataset} needs a tokenizer: pass --tokenizer PATH")
     if args.dataset == "random":
         return random_requests(
             tokenizer, total, args.random_input_len, args.random_output_len,
@@ -153,10 +151,12 @@ def main(argv: list[str] | None = None) -> int:
             require_matplotlib()
         api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
         model = args.model or first_model(args.base_url, api_key)
-        tokenizer_path = args.tokenizer or (model if Path(model).is_dir() else None)
+        tokenizer_path = args.tokenizer or find_tokenizer(model, args.base_url, api_key)
+        if tokenizer_path is None and args.dataset != "sharegpt":
+            raise TokenizerNotFoundError(args.dataset, model, args.base_url)
         tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
         samples = build_samples(args, tokenizer)
-    except (PlotUnavailableError, DatasetError, ValueError, httpx.HTTPError) as e:
+    except (PlotUnavailableError, DatasetError, ValueError, OSError, httpx.HTTPError) as e:
         print(f"bench_serve: {e}", file=sys.stderr)
         return 2
     config = ClientConfig(

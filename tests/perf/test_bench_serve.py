@@ -5,15 +5,21 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from trillm.gpu._default_model import DEFAULT_MODEL_NAME, default_model_dir, find_default_gguf
+from trillm.http._responses import models_response
+
 from ..gpu.conftest import save_tiny
-from ..http.conftest import Server, start_server
+from ..http.conftest import Server, free_port, start_server
 
 PERF = Path(__file__).resolve().parents[2] / "perf"
 sys.path.insert(0, str(PERF))  # perf/ is scripts, not a package
@@ -34,6 +40,7 @@ from _bench_metrics import (  # noqa: E402
     parse_goodput,
     percentile,
 )
+from _bench_tokenizer import TokenizerNotFoundError, find_tokenizer  # noqa: E402
 
 
 def output(ttft: float, itl: list[float], tokens: int, expected: int = 0) -> RequestOutput:
@@ -129,8 +136,6 @@ def test_request_body_sends_vllm_fields_only_with_ignore_eos() -> None:
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    from trillm.gpu._default_model import default_model_dir
-
     return load_tokenizer(str(default_model_dir(progress=False)))
 
 
@@ -252,3 +257,113 @@ def test_plot_writes_a_png_of_the_run(server: tuple[Server, Path], tmp_path: Pat
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- which tokenizer, without --tokenizer ----------------------------------------------------
+
+
+@contextmanager
+def models_server(body: bytes) -> Iterator[str]:
+    """A real HTTP server whose `GET /v1/models` answers `body` (anything else: 404 or 501)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            found = self.path == "/v1/models"
+            self.send_response(200 if found else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body) if found else 0))
+            self.end_headers()
+            if found:
+                self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_port}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=10)
+
+
+def trillm_models(name: str) -> bytes:
+    """What trillm's `GET /v1/models` answers when it serves `name` (its own encoder)."""
+    return models_response([name], max_model_len=2048)
+
+
+def other_models(name: str, owned_by: str) -> bytes:
+    card = {"id": name, "object": "model", "created": 0, "owned_by": owned_by}
+    return json.dumps({"object": "list", "data": [card]}).encode()
+
+
+def test_trillm_serving_the_default_model_names_its_directory() -> None:
+    with models_server(trillm_models(DEFAULT_MODEL_NAME)) as url:
+        found = find_tokenizer(DEFAULT_MODEL_NAME, url, None)
+    assert found == str(default_model_dir(progress=False))
+    assert (Path(found) / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("body", "model"),
+    [
+        (other_models(DEFAULT_MODEL_NAME, "vllm"), DEFAULT_MODEL_NAME),  # not trillm
+        (trillm_models("my-model"), "my-model"),  # trillm, but not the built-in model
+        (trillm_models("my-model"), DEFAULT_MODEL_NAME),  # trillm does not serve that name
+        (b"not json", DEFAULT_MODEL_NAME),
+    ],
+)
+def test_other_servers_and_models_name_no_tokenizer(body: bytes, model: str) -> None:
+    with models_server(body) as url:
+        assert find_tokenizer(model, url, None) is None
+
+
+def test_a_server_that_is_down_names_no_tokenizer() -> None:
+    assert find_tokenizer(DEFAULT_MODEL_NAME, f"http://127.0.0.1:{free_port()}", None) is None
+
+
+def test_a_model_name_that_is_a_gguf_file_or_a_directory_is_its_own_tokenizer(
+    tmp_path: Path, tokenizer: Any
+) -> None:
+    down = f"http://127.0.0.1:{free_port()}"  # a local path needs no server
+    gguf = str(find_default_gguf())
+    assert find_tokenizer(gguf, down, None) == gguf
+    assert find_tokenizer(str(tmp_path), down, None) == str(tmp_path)
+    not_gguf = tmp_path / "weights.bin"
+    not_gguf.write_bytes(b"")
+    assert find_tokenizer(str(not_gguf), down, None) is None
+    text = "The capital of France is Paris."
+    assert load_tokenizer(gguf).encode(text) == tokenizer.encode(text)
+
+
+def test_the_missing_tokenizer_message_names_the_model_and_the_server() -> None:
+    error = TokenizerNotFoundError("random", "my-model", "http://host:8000")
+    assert str(error) == (
+        "--dataset random needs a tokenizer to count tokens; model 'my-model' is not a local "
+        "directory or .gguf file, and the server at http://host:8000 does not list it as "
+        "trillm's built-in model: pass --tokenizer PATH (a directory with tokenizer.json, "
+        "a .gguf file, or a Hugging Face hub id)"
+    )
+
+
+def test_bench_serve_without_tokenizer_stops_with_what_to_pass(
+    server: tuple[Server, Path],
+) -> None:
+    srv, _ = server  # serves a directory under the name "tiny": no tokenizer to find
+    run = bench("--base-url", srv.base_url, "--num-prompts", "1")
+    assert run.returncode == 2
+    assert run.stderr == f"bench_serve: {TokenizerNotFoundError('random', 'tiny', srv.base_url)}\n"
+
+
+def test_bench_serve_takes_the_default_models_tokenizer_from_a_trillm_server() -> None:
+    with models_server(trillm_models(DEFAULT_MODEL_NAME)) as url:
+        run = bench(
+            "--base-url", url, "--num-prompts", "1", "--random-input-len", "4",
+            "--random-output-len", "2",
+        )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert f"Model: {DEFAULT_MODEL_NAME}" in run.stdout
+    assert "request 0 failed: HTTP 501" in run.stdout  # the fake serves only /v1/models
