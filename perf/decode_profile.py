@@ -1,11 +1,14 @@
 """Where one batch-1 decode step's time goes, against the memory-bandwidth floor.
 
 Runs a 128-token prompt and `--new-tokens` greedy decode steps through trillm's model runner
-(the built-in SmolLM2-135M, CPU), then the same under the torch profiler, and prints:
-- the median decode step (ms) and the floor: the bytes one step must read (every linear
-  weight once, and the LM head) over the machine's read bandwidth, a 1 GiB `torch.sum`
+(the built-in SmolLM2-135M, CPU) twice, interleaved run by run: with the C decode step
+(`lib/gpu/_cpu_decode.py`, the default) and with the torch forward (`--enforce-eager`); then
+each under the torch profiler. Prints:
+- each path's median decode step (ms) and the floor: the bytes one step must read (every
+  linear weight once, and the LM head) over the machine's read bandwidth, a 1 GiB `torch.sum`
   measured in the same run (`model_bench.read_bandwidth`, the median of 7);
-- torch ops per step and the profiler's self time grouped: linears, attention, other.
+- torch ops per step and the profiler's self time grouped: linears, attention, other (the C
+  step is one call the profiler does not see into).
 
     python perf/decode_profile.py [--dtype float32] [--new-tokens 32] [--json PATH]
 """
@@ -17,6 +20,7 @@ import json
 import statistics
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import torch
 from model_bench import prompts, read_bandwidth, trillm_run
@@ -36,6 +40,48 @@ def weight_bytes(worker: Worker) -> int:
     return model.decode_read_bytes()
 
 
+def load(args: argparse.Namespace, *, eager: bool) -> Worker:
+    config = WorkerConfig(
+        args.model or str(default_model_dir()),
+        device="cpu",
+        dtype=args.dtype,
+        max_num_seqs=8,
+        quantization=args.quantization,
+        cpu_linear=args.cpu_linear,
+        enforce_eager=eager,
+    )
+    worker = Worker(config)
+    worker.init_device()
+    worker.load_model()
+    worker.init_kv_cache(worker.num_available_kv_blocks())
+    return worker
+
+
+def op_profile(worker: Worker, batch: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    """Torch ops per step and their self time grouped (the C step is one opaque call)."""
+    with profile() as prof:
+        trillm_run(worker, batch, new_tokens)
+    groups: Counter[str] = Counter()
+    ops = 0
+    for event in prof.key_averages():
+        ms = event.self_cpu_time_total / 1e3 / new_tokens
+        ops += event.count
+        if event.key in LINEAR:
+            groups["linears"] += ms
+        elif "attention" in event.key or "sdpa" in event.key:
+            groups["attention"] += ms
+        else:
+            groups["other"] += ms
+    top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:8]
+    return {
+        "torch_ops_per_step": ops / new_tokens,
+        "self_ms_per_step": dict(groups),
+        "top": [
+            (e.key, e.count / new_tokens, e.self_cpu_time_total / 1e3 / new_tokens) for e in top
+        ],
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="float32")
@@ -47,58 +93,48 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    config = WorkerConfig(
-        args.model or str(default_model_dir()),
-        device="cpu",
-        dtype=args.dtype,
-        max_num_seqs=8,
-        quantization=args.quantization,
-        cpu_linear=args.cpu_linear,
-    )
-    worker = Worker(config)
-    worker.init_device()
-    worker.load_model()
-    worker.init_kv_cache(worker.num_available_kv_blocks())
-    vocab = worker.runner.model_config.vocab_size
+    workers = {"c": load(args, eager=False), "torch": load(args, eager=True)}
+    if workers["c"].runner.cpu_decode is None:
+        print(f"decode_profile: no C step here ({workers['c'].kernels.decode})")
+        del workers["c"]
+    vocab = workers["torch"].runner.model_config.vocab_size
     batch = prompts(1, args.prompt_len, vocab)
-    trillm_run(worker, batch, 4)  # warm-up
-    steps = [
-        trillm_run(worker, batch, args.new_tokens)[1] / (args.new_tokens - 1) * 1e3
-        for _ in range(args.repeats)
-    ]
+    steps: dict[str, list[float]] = {name: [] for name in workers}
+    for worker in workers.values():
+        trillm_run(worker, batch, 4)  # warm-up
+    for _ in range(args.repeats):  # interleaved: both paths see the same machine state
+        for name, worker in workers.items():
+            decode_s = trillm_run(worker, batch, args.new_tokens)[1]
+            steps[name].append(decode_s / (args.new_tokens - 1) * 1e3)
     bandwidth = read_bandwidth()
-    floor = weight_bytes(worker) / bandwidth * 1e3
-    with profile() as prof:
-        trillm_run(worker, batch, args.new_tokens)
-    groups: Counter[str] = Counter()
-    ops = 0
-    for event in prof.key_averages():
-        ms = event.self_cpu_time_total / 1e3 / args.new_tokens
-        ops += event.count
-        if event.key in LINEAR:
-            groups["linears"] += ms
-        elif "attention" in event.key or "sdpa" in event.key:
-            groups["attention"] += ms
-        else:
-            groups["other"] += ms
-    top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
-    result = {
+    floor = weight_bytes(workers["torch"]) / bandwidth * 1e3
+    result: dict[str, Any] = {
         "dtype": args.dtype,
-        "kernels": worker.kernels.describe() if worker.kernels else "",
         "threads": torch.get_num_threads(),
-        "decode_step_ms_median": statistics.median(steps),
-        "decode_step_ms_all": steps,
-        "weight_bytes": weight_bytes(worker),
+        "weight_bytes": weight_bytes(workers["torch"]),
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "floor_ms": floor,
-        "ratio_to_floor": statistics.median(steps) / floor,
-        "torch_ops_per_step": ops / args.new_tokens,
-        "self_ms_per_step": dict(groups),
     }
-    print(json.dumps(result, indent=1))
-    for event in top:
-        print(f"{event.key:40s} {event.count / args.new_tokens:7.1f}/step "
-              f"{event.self_cpu_time_total / 1e3 / args.new_tokens:7.3f} ms/step")  # fmt: skip
+    for name, worker in workers.items():
+        median = statistics.median(steps[name])
+        result[name] = {
+            "kernels": worker.kernels.describe(),
+            "decode_step_ms_median": median,
+            "decode_step_ms_all": steps[name],
+            "ratio_to_floor": median / floor,
+            **op_profile(worker, batch, args.new_tokens),
+        }
+    print(json.dumps({k: v for k, v in result.items() if k not in workers}, indent=1))
+    for name in workers:
+        r = result[name]
+        print(f"{name}: decode step {r['decode_step_ms_median']:.2f} ms = "
+              f"{r['ratio_to_floor']:.2f}x the floor {floor:.2f} ms; "
+              f"{r['torch_ops_per_step']:.0f} torch ops a step")  # fmt: skip
+        for key, count, ms in r["top"]:
+            print(f"    {key:40s} {count:7.1f}/step {ms:7.3f} ms/step")
+    if "c" in workers:
+        ratio = result["torch"]["decode_step_ms_median"] / result["c"]["decode_step_ms_median"]
+        print(f"the C step is {ratio:.2f}x faster than the torch forward")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
 

@@ -6,6 +6,12 @@ forward), at M tokens. Best of `--repeats`, interleaved so both see the same mac
 MKL keeps to AVX2 on AMD CPUs; oneDNN uses AVX-512 where the CPU has it (`lib/gpu/_cpu_linear.py`).
 
     python perf/linear_bench.py [--tokens 1,32,128] [--dtypes float32,bfloat16]
+    python perf/linear_bench.py --tiled [--tokens 1,8,32,128,512]
+
+`--tiled` times trillm's C tiles (`lib/gpu/_tiles.py`) the same way: float32 tiles against
+oneDNN's packed float32, and the weights as GGUF Q4_1 blocks in C tiles (float32 activations)
+against torch's int4 kernel over the same nibbles (`_weight_int4pack_mm_for_cpu`, bfloat16
+activations: what `--quantization gguf` ran before the tiles).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from trillm.gpu._cpu_linear import pack_weight, packed_linear, packed_linear_available
+from trillm.gpu._gguf_blocks import BLOCK_BYTES, Q4_1, QuantizedTensor
 
 HIDDEN, INTER, KV, LAYERS = 576, 1536, 192, 30
 SHAPES = [(HIDDEN, HIDDEN + 2 * KV), (HIDDEN, HIDDEN), (HIDDEN, 2 * INTER), (INTER, HIDDEN)]
@@ -42,12 +49,61 @@ def best_ms(run: Callable[[], object], repeats: int) -> float:
     return best * 1e3
 
 
+def tiled_main(args: argparse.Namespace) -> None:
+    """C tiles against oneDNN (float32) and against torch's int4 kernel (Q4_1), best ms."""
+    from trillm.gpu._quantized import Int4Weight
+    from trillm.gpu._tiles import TiledLinear, dense_tiles, quantized_tiles, tiled_kernels
+
+    if tiled_kernels() is None:
+        raise SystemExit("linear_bench: the C kernels do not build here (no C compiler?)")
+    weights = [[torch.randn(n, k) * 0.05 for k, n in SHAPES] for _ in range(LAYERS)]
+    q4 = [[q4_1_blocks(w) for w in layer] for layer in weights]
+    kernels: dict[str, list[list[Callable[[torch.Tensor], torch.Tensor]]]] = {
+        "onednn_f32": [
+            [partial(packed_linear, packed=pack_weight(w), bias=None) for w in layer]
+            for layer in weights
+        ],
+        "c_f32": [[TiledLinear(dense_tiles(w), w.shape[0]) for w in layer] for layer in weights],
+        "int4_bf16": [[Int4Weight([q], q.shape[0]) for q in layer] for layer in q4],
+        "c_q4_1": [[TiledLinear(quantized_tiles([q]), q.shape[0]) for q in layer] for layer in q4],
+    }
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; best ms of a forward")
+    print(f"{'M':>4} " + " ".join(f"{name:>11}" for name in kernels))
+    for m in map(int, args.tokens.split(",")):
+        xs = [torch.randn(m, k) for k, _ in SHAPES]
+        runs = {name: partial(forward, _call, xs, layers) for name, layers in kernels.items()}
+        best = dict.fromkeys(runs, float("inf"))
+        for _ in range(3):  # interleaved: every kernel sees the same machine state
+            for name, run in runs.items():
+                best[name] = min(best[name], best_ms(run, args.repeats))
+        print(f"{m:>4} " + " ".join(f"{best[name]:>11.2f}" for name in kernels), flush=True)
+
+
+def _call(x: torch.Tensor, linear: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    return linear(x)
+
+
+def q4_1_blocks(w: torch.Tensor) -> QuantizedTensor:
+    """`w` quantized to GGUF Q4_1 blocks (gguf's own quantizer)."""
+    import gguf
+
+    raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1)
+    n, k = w.shape
+    return QuantizedTensor(
+        Q4_1, torch.from_numpy(raw.reshape(n, k // 32, BLOCK_BYTES[Q4_1]).copy())
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", default="1,32,128")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--tiled", action="store_true", help="trillm's C tiles (see above)")
     args = p.parse_args()
+    if args.tiled:
+        tiled_main(args)
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}")  # fmt: skip
     print(f"{'dtype':<9} {'M':>4} {'F.linear ms':>12} {'oneDNN ms':>10} {'speed-up':>9} "

@@ -14,9 +14,10 @@ bytes of its weights over this machine's read bandwidth (a 1 GiB `torch.sum`).
     python perf/model_bench.py --quantization none,gguf [--model FILE.gguf] [--batches 1,32]
 
 `--kernels` times the candidate weight-only kernels alone on SmolLM2's linear shapes at M =
-each batch size, interleaved: float32 packed for oneDNN (the baseline), torch's int4
-(`_weight_int4pack_mm_for_cpu`) and int8 (`_weight_int8pack_mm`) kernels with bfloat16 and
-with float32 activations, and fbgemm's float16 (`quantized.linear_dynamic_fp16`).
+each batch size, interleaved: float32 packed for oneDNN (the baseline), trillm's C tiles
+(float32, Q4_1, Q8_0: `lib/gpu/_tiles.py`), torch's int4 (`_weight_int4pack_mm_for_cpu`) and
+int8 (`_weight_int8pack_mm`) kernels with bfloat16 and with float32 activations, and fbgemm's
+float16 (`quantized.linear_dynamic_fp16`).
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ def kernel_candidates(n: int, k: int, m: int) -> dict[str, Any]:
     int8 = torch.ops.aten._weight_int8pack_mm
     calls = {
         "float32": lambda: packed_linear(x, packed, None),
+        **c_tile_candidates(w, x),
         "int4_bf16": lambda: int4(xb, q4, 32, sz.bfloat16()),
         "int8_bf16": lambda: int8(xb, q8, s8.bfloat16()),
         "fp16_fbgemm": lambda: torch.ops.quantized.linear_dynamic_fp16(x, fp16),
@@ -123,6 +125,25 @@ def kernel_candidates(n: int, k: int, m: int) -> dict[str, Any]:
         calls["int4_f32"] = lambda: int4(x, q4, 32, sz)
         calls["int8_f32"] = lambda: int8(x, q8, s8)
     return calls
+
+
+def c_tile_candidates(w: torch.Tensor, x: torch.Tensor) -> dict[str, Any]:
+    """trillm's C tiles (`lib/gpu/_tiles.py`): float32, and the weight as Q4_1 and Q8_0
+    blocks (float32 activations); none where the C kernels do not build here."""
+    import gguf
+
+    from trillm.gpu._gguf_blocks import BLOCK_BYTES, Q4_1, Q8_0, QuantizedTensor
+    from trillm.gpu._tiles import TiledLinear, dense_tiles, quantized_tiles, tiled_kernels
+
+    if tiled_kernels() is None:
+        return {}
+    n, k = w.shape
+    calls = {"c_f32": TiledLinear(dense_tiles(w), n)}
+    for name, qtype in (("c_q4_1", Q4_1), ("c_q8_0", Q8_0)):
+        raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType(qtype))
+        blocks = torch.from_numpy(raw.reshape(n, k // 32, BLOCK_BYTES[qtype]).copy())
+        calls[name] = TiledLinear(quantized_tiles([QuantizedTensor(qtype, blocks)]), n)
+    return {name: (lambda linear=linear: linear(x)) for name, linear in calls.items()}
 
 
 def kernels_main(args: argparse.Namespace) -> None:

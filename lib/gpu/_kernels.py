@@ -21,7 +21,8 @@ class KernelChoice(msgspec.Struct, array_like=True, frozen=True, gc=False):
     cuBLAS on CUDA); `isa` is what the choice depended on (`CpuFeatures.summary()` on CPU,
     the GPU's name on CUDA); `attention` is the attention backend ("torch" or "triton");
     `quantization` is "gguf" (GGUF blocks kept, int4 kernel) or "none", and
-    `quantization_reason` what that means.
+    `quantization_reason` what that means; `decode` is how CPU decode steps run ("c": one C
+    call per step, `_cpu_decode`; "torch (why)"; "" on CUDA).
     """
 
     device: str
@@ -32,6 +33,7 @@ class KernelChoice(msgspec.Struct, array_like=True, frozen=True, gc=False):
     attention: str = ""
     quantization: str = ""
     quantization_reason: str = ""
+    decode: str = ""
 
     def describe(self) -> str:
         """One line for a log: "kernels: bfloat16 on cpu, linears aten (isa ...; reason),
@@ -46,6 +48,8 @@ class KernelChoice(msgspec.Struct, array_like=True, frozen=True, gc=False):
             line += f", quantization {self.quantization}"
             if self.quantization_reason:
                 line += f" ({self.quantization_reason})"
+        if self.decode:
+            line += f", decode {self.decode}"
         return line
 
 

@@ -74,6 +74,7 @@ class ColumnParallelLinear(nn.Module):
         tp: TensorParallel,
         dtype: torch.dtype,
         what: str,
+        interleaved: bool = False,
     ) -> None:
         super().__init__()
         self.tp = tp
@@ -86,6 +87,13 @@ class ColumnParallelLinear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.quantized: QuantizedLinearWeight | None = None
         self._quantized_parts: dict[int, QuantizedTensor] = {}
+        # Kept quantized in C tiles (`_tiles`), gate/up goes tile by tile, as the C decode
+        # step fuses SiLU(gate) * up; the forward still sees [gate | up].
+        self.interleaved = (
+            interleaved
+            and len(set(self.shard_sizes)) == 1 == len(part_sizes) - 1
+            and self.shard_sizes[0] % 16 == 0
+        )
 
     def load(
         self, part: int, weight: torch.Tensor | QuantizedTensor, *, is_bias: bool = False
@@ -107,7 +115,8 @@ class ColumnParallelLinear(nn.Module):
         that mixes types), dequantise them into the dense weight instead."""
         parts, self._quantized_parts = self._quantized_parts, {}
         if len(parts) == len(self.shard_sizes):
-            self.quantized = pack_quantized([parts[i] for i in sorted(parts)])
+            ordered = [parts[i] for i in sorted(parts)]
+            self.quantized = pack_quantized(ordered, interleaved=self.interleaved)
             _drop(self.weight)
             return
         for part, rows in parts.items():

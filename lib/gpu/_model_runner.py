@@ -14,11 +14,13 @@ import ctypes.util
 import gc
 from collections.abc import Callable
 
+import msgspec
 import numpy as np
 import torch
 
 from ._attention import AttentionBackend, StepAttention, TorchAttention
 from ._config import WorkerConfig
+from ._cpu_decode import CpuDecode, build_cpu_decode
 from ._cpu_linear import CpuFeatures
 from ._cuda_graphs import DecodeGraphs
 from ._grammar_mask import apply_grammar_bitmask, step_bitmask
@@ -59,6 +61,7 @@ class ModelRunner:
         self.kv_caches: list[KVCache] = []
         self.attention: AttentionBackend | None = None  # made by init_kv_cache
         self.graphs: DecodeGraphs | None = None  # made by capture_cuda_graphs
+        self.cpu_decode: CpuDecode | None = None  # made by load_model on CPU
         self.model: LlamaForCausalLM | None = None
         self.kernels: KernelChoice | None = None  # chosen by load_model
         self._cpu_features = cpu_features
@@ -92,6 +95,9 @@ class ModelRunner:
                 param.data.normal_(0.0, 0.02)
         else:
             model.load_weights(weights, keep_quantized=self.kernels.quantization == "gguf")
+        if self.device.type == "cpu":  # before packing: it tiles the dense weights
+            self.cpu_decode, decode = build_cpu_decode(model, self.config, self.block_size)
+            self.kernels = msgspec.structs.replace(self.kernels, decode=decode)
         if self.kernels.linear == "onednn":
             model.pack_linears()
         self.model = model.eval()
@@ -117,6 +123,8 @@ class ModelRunner:
             )
             for _ in range(cfg.num_layers)
         ]
+        if self.cpu_decode is not None:
+            self.cpu_decode.bind(self.kv_caches)
 
     # -- sleep mode ------------------------------------------------------------------------
 
@@ -127,6 +135,8 @@ class ModelRunner:
             raise RuntimeError("sleep() without a KV cache (asleep already, or not started)")
         self._asleep_blocks = int(self.kv_caches[0][0].shape[0])
         self.graphs = None  # they hold the cache's (and the weights') addresses
+        if self.cpu_decode is not None:
+            self.cpu_decode.unbind()  # so does the C step
         self.kv_caches = []
         if level >= 2 and self.device.type == "cuda" and self.model is not None:
             self.model.to("cpu")
@@ -216,6 +226,8 @@ class ModelRunner:
                 self.inputs.remove(rnum)
                 self.sampling.pop(rnum, None)
             self.kv_caches = saved
+            if self.cpu_decode is not None:  # it was bound to the throw-away cache
+                self.cpu_decode.bind(saved) if saved else self.cpu_decode.unbind()
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -247,7 +259,7 @@ class ModelRunner:
         if not len(sampling):
             return RunnerOutput(rnums, np.zeros(0, np.int32), prompt_logprobs=prompt_logprobs)
         last = inputs.token_starts[sampling] + inputs.counts[sampling] - 1
-        logits = self.model.compute_logits(hidden[self._tensor(last)])
+        logits = (self.cpu_decode or self.model).compute_logits(hidden[self._tensor(last)])
         if len(batch.grammar_rnums):
             bitmask = step_bitmask(batch, masks)
             apply_grammar_bitmask(logits, rnums, batch.grammar_rnums, bitmask)
@@ -256,7 +268,8 @@ class ModelRunner:
         return self._finish(inputs, sampling, rnums, states, sampled, prompt_logprobs)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states of the step's tokens: a graph replay for decodes, else eager."""
+        """Hidden states of the step's tokens: a graph replay (CUDA) or one C call (CPU) for
+        decodes, else eager."""
         assert self.model is not None
         graphs = self.graphs
         num_seqs = len(inputs.rows)
@@ -273,6 +286,20 @@ class ModelRunner:
                 self._tensor(inputs.slots),
                 self._tensor(inputs.context_lens.astype(np.int32)),
                 self._tensor(np.ascontiguousarray(self.inputs.block_table[inputs.rows, :width])),
+            )
+        decode = self.cpu_decode
+        if (
+            decode is not None
+            and not self.model.fail_next_forward
+            and decode.covers(len(inputs.input_ids), num_seqs)
+        ):
+            width = int(-(-inputs.context_lens.max() // self.block_size))
+            return decode.run(
+                self._tensor(inputs.input_ids),
+                inputs.positions,
+                inputs.slots,
+                inputs.context_lens,
+                np.ascontiguousarray(self.inputs.block_table[inputs.rows, :width]),
             )
         meta = self._attention_metadata(inputs)
         hidden: torch.Tensor = self.model(

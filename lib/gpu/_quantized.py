@@ -1,7 +1,11 @@
 """Weight-only quantized linears on the CPU: GGUF's Q4_0 / Q4_1 / Q8_0 weights kept compact.
 
 `--quantization gguf` keeps a GGUF file's block-quantized weights in memory near their file
-size, and multiplies them with torch's CPU kernels:
+size. Where this machine builds trillm's C kernels (`_native`: a C compiler), the blocks go
+into C tiles (`_tiles`: GGUF's bytes reshuffled, float32 activations, the dequantised model's
+arithmetic) that the torch forward and the C decode step (`_cpu_decode`) both read: faster
+than the torch kernels below at every batch size measured, and more exact. Elsewhere they are
+multiplied with torch's CPU kernels:
 
 - **Q4_0 / Q4_1 -> int4** (`aten._weight_int4pack_mm_for_cpu`: int4 weights in groups of 32
   along the input, one scale and one zero per group; bfloat16 activations, float32
@@ -39,6 +43,7 @@ from typing import Protocol
 import torch
 
 from ._gguf_blocks import BLOCK_SIZE, Q4_0, Q4_1, Q8_0, QuantizedTensor
+from ._tiles import TiledLinear, quantized_tiles, tiled_kernels
 
 QUANTIZATIONS = ("auto", "gguf", "none")
 _ROWS = 16  # the int4 packer's row granularity (`expect N to be dividable by 16`)
@@ -66,6 +71,8 @@ def choose_quantization(resolved: str, device: torch.device) -> tuple[str, str]:
             f"quantization='gguf' cannot run: {why}; use quantization 'none' (--quantization "
             f"none) to dequantise the weights"
         )
+    if tiled_kernels() is not None:
+        return "gguf", "Q4_0/Q4_1/Q8_0 blocks in C tiles, float32 activations"
     return "gguf", "Q4_0/Q4_1 as int4 with bfloat16 activations, Q8_0 as float16"
 
 
@@ -79,10 +86,15 @@ class QuantizedLinearWeight(Protocol):
 
 
 def pack_quantized(
-    parts: Sequence[QuantizedTensor], *, rows: int | None = None
+    parts: Sequence[QuantizedTensor], *, rows: int | None = None, interleaved: bool = False
 ) -> QuantizedLinearWeight:
     """The row-wise concatenation of `parts` (merged q/k/v or gate/up, all [*, K]), padded
-    with zero rows to `rows` outputs (a vocabulary shard's padding), packed for its kernel.
+    with zero rows to `rows` outputs (a vocabulary shard's padding), packed for its kernel:
+    trillm's C tiles (`_tiles`) where they build, else torch's int4 or fbgemm float16.
+
+    Args:
+        interleaved: gate/up (two equal parts, a multiple of 16 rows each): tiles in the
+            order the C decode step fuses them (`TiledLinear`).
 
     Raises:
         ValueError: the parts' widths differ.
@@ -91,6 +103,9 @@ def pack_quantized(
         raise ValueError(f"merged parts of different widths: {[p.shape for p in parts]}")
     total = sum(part.shape[0] for part in parts)
     rows = total if rows is None else rows
+    if tiled_kernels() is not None:
+        tiles = quantized_tiles(list(parts), rows)
+        return TiledLinear(tiles, rows, interleaved=interleaved)
     if any(part.qtype == Q8_0 for part in parts):
         return Float16Weight(parts, rows)
     return Int4Weight(parts, rows)
@@ -164,8 +179,9 @@ def _float16(pairs: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def quantized_kernels_run() -> bool:
-    """Both kernels run here and give the dequantized answer on a tiny weight (probed once
-    per process: a torch build without fbgemm, or without the int4 CPU kernel, has not)."""
+    """The kernels `pack_quantized` picks run here and give the dequantized answer on a tiny
+    weight (probed once per process: a torch build without fbgemm, or without the int4 CPU
+    kernel, has not, if it is torch's kernels that were picked)."""
     blocks = torch.zeros(_ROWS, 1, 18, dtype=torch.uint8)
     blocks[:, :, 0:2] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
     blocks[:, :, 2:] = 0x99  # every weight q = 9: w = 1 * (9 - 8) = 1

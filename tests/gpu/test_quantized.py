@@ -23,7 +23,14 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from trillm.gpu import ModelRunner, SamplingOptions, TensorParallel, Worker, WorkerConfig
+from trillm.gpu import (
+    ModelRunner,
+    SamplingOptions,
+    TensorParallel,
+    Worker,
+    WorkerConfig,
+    _quantized,
+)
 from trillm.gpu._config import WorkerConfigError
 from trillm.gpu._default_model import DefaultModelMissingError, default_model_dir, find_default_gguf
 from trillm.gpu._gguf import GGUFCheckpoint
@@ -37,6 +44,7 @@ from trillm.gpu._quantized import (
     pack_quantized,
     quantized_kernels_run,
 )
+from trillm.gpu._tiles import F32, TiledLinear
 
 from .conftest import make_runner
 from .driver import Driver, DriverRequest
@@ -71,6 +79,46 @@ def quantized(qtype: Q, rows: int, cols: int, seed: int = 0) -> tuple[QuantizedT
 # -- kernels ----------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def torch_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's int4 / fbgemm kernels, as on a machine where the C tiles do not build."""
+    monkeypatch.setattr(_quantized, "tiled_kernels", lambda: None)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+def test_c_tiles_give_the_dequantized_weight_exactly(qtype: Q) -> None:
+    """One-hot inputs: the C tiles' d q + m is the dequantisation's own float32 arithmetic
+    (exact products of float16 scales and small integers), so bit for bit; random inputs:
+    the dequantised linear to float32 rounding."""
+    weight, reference = quantized(qtype, 40, 96)  # 40 rows: the last tile padded
+    linear = pack_quantized([weight])
+    assert isinstance(linear, TiledLinear)
+    torch.testing.assert_close(linear(torch.eye(96)).T, weight.dequantize(), rtol=0, atol=0)
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(1))
+    expected = F.linear(x, torch.from_numpy(reference))
+    torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
+    assert linear(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_c_tiles_merge_parts_pad_a_shard_and_interleave_gate_up() -> None:
+    q, q_ref = quantized(Q.Q4_0, 32, 64, seed=1)
+    k, k_ref = quantized(Q.Q4_1, 16, 64, seed=2)
+    x = torch.randn(3, 64)
+    merged = pack_quantized([q, k], rows=56)  # 8 zero rows, as a vocabulary shard's padding
+    out = merged(x)
+    assert out.shape == (3, 56) and torch.equal(out[:, 48:], torch.zeros(3, 8))
+    expected = F.linear(x, torch.from_numpy(np.concatenate([q_ref, k_ref])))
+    torch.testing.assert_close(out[:, :48], expected, rtol=1e-5, atol=1e-5)
+    gate_up = pack_quantized([q, quantized(Q.Q4_1, 32, 64, seed=3)[0]], interleaved=True)
+    plain = pack_quantized([q, quantized(Q.Q4_1, 32, 64, seed=3)[0]])
+    assert isinstance(gate_up, TiledLinear) and gate_up.interleaved
+    assert torch.equal(gate_up(x), plain(x))  # the forward sees [gate | up] either way
+    mixed = pack_quantized([q, quantized(Q.Q8_0, 16, 64)[0]])  # Q4 and Q8_0: float32 tiles
+    assert isinstance(mixed, TiledLinear) and mixed.tiles.kind == F32
+    assert mixed(x).shape == (3, 48)
+
+
+@pytest.mark.usefixtures("torch_kernels")
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
 def test_int4_reads_every_block_exactly_where_bfloat16_holds_the_scales(qtype: Q) -> None:
     """Scales and mins that bfloat16 holds exactly, and a one-hot input: the kernel's output
@@ -91,6 +139,7 @@ def test_int4_reads_every_block_exactly_where_bfloat16_holds_the_scales(qtype: Q
     torch.testing.assert_close(out.T, exact.dequantize(), rtol=0, atol=0)
 
 
+@pytest.mark.usefixtures("torch_kernels")
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
 def test_int4_matches_the_dequantized_linear_to_bfloat16_rounding(qtype: Q) -> None:
     weight, reference = quantized(qtype, 40, 96)  # 40 rows: padded to 48 and cut off
@@ -104,6 +153,7 @@ def test_int4_matches_the_dequantized_linear_to_bfloat16_rounding(qtype: Q) -> N
     assert linear(x.bfloat16()).dtype == torch.bfloat16
 
 
+@pytest.mark.usefixtures("torch_kernels")
 def test_q8_0_runs_as_float16_with_float32_activations() -> None:
     """Q8_0's d * q rounded to float16 (2^-11 relative) is the only rounding: a one-hot input
     gives those weights back exactly, a random one their float32 product."""
@@ -119,6 +169,7 @@ def test_q8_0_runs_as_float16_with_float32_activations() -> None:
     torch.testing.assert_close(linear(x), F.linear(x, rounded), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.usefixtures("torch_kernels")
 def test_merged_parts_and_a_padded_vocabulary_shard() -> None:
     q, q_ref = quantized(Q.Q4_0, 32, 64, seed=1)
     k, k_ref = quantized(Q.Q4_1, 16, 64, seed=2)
@@ -189,8 +240,7 @@ def test_a_quantized_embedding_looks_up_the_exact_rows_on_every_shard() -> None:
 LAYER = "model.layers.{}.{}.weight"
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def write_tiny_gguf(path: Path) -> Path:
     """A tiny Llama (tied, Q8_0 embedding) with Q4_1 linears, a Q4_0 k_proj, and an F32
     v_proj in layer 1 (its merged q/k/v must fall back to dense)."""
     model = tiny_llama(tie_word_embeddings=True)
@@ -202,9 +252,13 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
             types[LAYER.format(layer, f"mlp.{part}")] = Q.Q4_1
     types[LAYER.format(0, "self_attn.k_proj")] = Q.Q4_0
     del types[LAYER.format(1, "self_attn.v_proj")]
-    path = tmp_path_factory.mktemp("quantized") / "tiny.gguf"
     write_llama_gguf(path, model, types=types)
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("quantized") / "tiny.gguf")
 
 
 def test_kept_blocks_dequantize_to_what_the_float_loader_gives(tiny_gguf: Path) -> None:
@@ -319,10 +373,19 @@ def test_a_bfloat16_model_runs_the_quantized_kernels(tiny_gguf: Path) -> None:
     runner = make_runner(tiny_gguf, dtype="bfloat16")
     assert runner.kernels is not None and runner.kernels.quantization == "gguf"
     tokens, logits = greedy_and_logits(runner, [list(range(100, 131))], 3)
-    assert len(tokens[0]) == 3 and logits[0].dtype == torch.bfloat16
+    assert len(tokens[0]) == 3 and logits[0].dtype == torch.float32  # the C head's (float32)
+    eager = make_runner(tiny_gguf, dtype="bfloat16", enforce_eager=True)
+    _, logits = greedy_and_logits(eager, [list(range(100, 131))], 3)
+    assert logits[0].dtype == torch.bfloat16
 
 
-def test_the_kernel_choice_reports_the_quantization() -> None:
+def test_the_kernel_choice_reports_the_quantization(monkeypatch: pytest.MonkeyPatch) -> None:
+    choice = choose_kernels(torch.device("cpu"), torch.float32, "aten", None, "torch", "gguf")
+    assert choice.describe().endswith(
+        ", attention torch, quantization gguf "
+        "(Q4_0/Q4_1/Q8_0 blocks in C tiles, float32 activations)"
+    )
+    monkeypatch.setattr(_quantized, "tiled_kernels", lambda: None)
     choice = choose_kernels(torch.device("cpu"), torch.float32, "aten", None, "torch", "gguf")
     assert choice.describe().endswith(
         ", attention torch, quantization gguf "
@@ -412,8 +475,10 @@ def test_smollm2_q4_1_kept_quantized_takes_about_its_file_size_in_memory(
     smollm2_gguf: Path,
 ) -> None:
     """Each setting in a fresh process: the RSS the load adds, and the bytes the weights hold.
-    Measured: none 651 MB of weights, gguf 166 MB (the Q4_1 linears at their file size, the
-    Q8_0 table kept for lookups and a float16 head); the file is 98 MB."""
+    Measured: none 651 MB of weights (and 1.11 GB of RSS: the C decode step's tiled float32
+    copy is 513 MB more), gguf 127 MB (the Q4_1 linears and the Q8_0 head in C tiles, which
+    the C decode step reads too, and the Q8_0 table kept for lookups) and 22 MB of RSS added
+    by the load (the file's pages, counted before it, are let go); the file is 98 MB."""
     grown = {}
     for setting in ("none", "gguf"):
         out = subprocess.run(

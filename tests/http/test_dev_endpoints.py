@@ -187,19 +187,18 @@ def test_pause_holds_a_stream_and_resume_finishes_it_with_the_same_text(
                     chunks.put(json.loads(line[6:])["choices"][0]["text"])
         chunks.put(None)
 
+    # Paused before the stream starts: the tiny model streams 48 tokens in a few ms, so a
+    # pause sent after its first chunk could come after its last.
+    paused = post(dev_server, "/pause")
+    assert paused.json() == {"is_paused": True, "num_requests": 0}
     reader = threading.Thread(target=read)
     reader.start()
     try:
-        text = [chunks.get(timeout=60)]
-        paused = post(dev_server, "/pause")
-        assert paused.json() == {"is_paused": True, "num_requests": 1}
         assert get(dev_server, "/is_paused").json() == {"is_paused": True}
-        time.sleep(0.5)  # what was written before the pause arrives
-        while not chunks.empty():
-            text.append(str(chunks.get()))
-        time.sleep(0.7)  # nothing steps while paused
+        time.sleep(0.7)  # nothing steps while paused: the request waits
         assert chunks.empty()
         assert post(dev_server, "/resume").json() == {"is_paused": False, "num_requests": 1}
+        text = []
         while (chunk := chunks.get(timeout=60)) is not None:
             text.append(chunk)
     finally:

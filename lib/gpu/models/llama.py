@@ -85,6 +85,7 @@ class LlamaMLP(nn.Module):
             tp=tp,
             dtype=dtype,
             what="intermediate_size",
+            interleaved=True,
         )
         self.down_proj = RowParallelLinear(
             size, config.hidden_size, bias=False, tp=tp, dtype=dtype, what="intermediate_size"
@@ -180,6 +181,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head.pack()
         if self.lm_head is not self.embed_tokens:  # an untied head is only ever multiplied
             self.lm_head.weight.data = torch.empty(0, dtype=self.lm_head.weight.dtype)
+
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        """The layers, typed (a ModuleList yields Modules)."""
+        return [layer for layer in self.layers if isinstance(layer, LlamaDecoderLayer)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits."""

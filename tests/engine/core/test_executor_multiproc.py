@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import cast
 
+import msgspec
 import pytest
 import trio
 
@@ -91,7 +92,12 @@ def test_tensor_parallel_2_gives_the_uniproc_greedy_tokens(model_dir: Path) -> N
         assert num_blocks == 2 * uniproc_blocks  # each rank holds half the KV heads
         assert executor.model_config == uniproc.model_config
         assert executor.max_model_len == uniproc.max_model_len == 512
-        assert executor.kernels == uniproc.kernels is not None  # rank 0's, through its ring
+        assert executor.kernels is not None and uniproc.kernels is not None
+        # rank 0's, through its ring; only the decode path differs (no C step at TP 2)
+        assert executor.kernels.decode.startswith("torch (tensor parallel")
+        assert uniproc.kernels.decode.startswith("c (")
+        same = msgspec.structs.replace(executor.kernels, decode=uniproc.kernels.decode)
+        assert same == uniproc.kernels
         assert generate(executor, num_blocks) == expected
         pids = executor.pids
     assert executor.returncodes == [0, 0]

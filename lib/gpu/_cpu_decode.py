@@ -1,0 +1,290 @@
+"""The CPU decode step in one C call (`csrc/cpu_decode.c`): the CPU's answer to CUDA graphs.
+
+Why: a batch-1 decode step of SmolLM2-135M in float32 must read 538 MB of weights, about
+11 ms at this class of machine's 45-50 GB/s; the torch forward took 19 ms. Measured on the
+2-core AVX-512 CI machine (`perf/decode_profile.py`): oneDNN's packed linears ran at 40 GB/s
+at M = 1, the ~5,000 torch ops around them (norms, rotary, gathers, SDPA, views) cost 3 ms,
+and each of the 121 linears woke OpenMP's second thread again. Here every decoder layer runs
+inside one OpenMP region, over weights laid out for a matrix-vector product (16-row tiles,
+k-major), with the KV write and paged attention in the same pass.
+
+What it covers: steps in which every sequence brings one token (decodes, and one-token
+prompts) and there are at most `max_batch` of them, on one rank, in float32 or bfloat16 with
+dense weights. Everything else (prefill, mixed steps, tensor parallel, GGUF weights kept
+quantized) runs the torch forward, whose linears stay packed for oneDNN: those are its
+strength. The price is a second copy of the dense weights, in the tiled layout (logged at
+load). `--enforce-eager` turns it off, as it turns CUDA graphs off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import _native
+from ._config import WorkerConfig
+from ._layers import ColumnParallelLinear, RowParallelLinear
+from ._rotary import inverse_frequencies
+from ._tiles import BF16, DENSE, F32, Q4, Q8, TiledLinear, Tiles, dense_tiles
+from .models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
+
+MAX_BATCH = 8  # above this the torch forward (oneDNN) is as fast (perf/decode_profile.py)
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        *(
+            (name, ctypes.c_void_p)
+            for name in (
+                "ln1", "ln2", "wqkv", "wo", "wgu", "wd", "bqkv", "bo", "k_cache", "v_cache"
+            )
+        ),
+        *((name, ctypes.c_int32) for name in ("tqkv", "to", "tgu", "td")),
+    ]  # fmt: skip
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        *(
+            (name, ctypes.c_int32)
+            for name in (
+                "num_layers",
+                "hidden",
+                "num_heads",
+                "num_kv_heads",
+                "head_dim",
+                "intermediate",
+                "block_size",
+                "cache_type",
+            )
+        ),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("inv_freq", ctypes.c_void_p),
+    ]
+
+
+class CpuDecodeUnsupported(RuntimeError):
+    """This model or setup is outside what the C decode step covers; says what."""
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+@dataclass
+class _LayerWeights:
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    qkv: Tiles
+    o: Tiles
+    gate_up: Tiles
+    down: Tiles
+    bqkv: torch.Tensor | None
+    bo: torch.Tensor | None
+
+
+class CpuDecode:
+    """Tiled copies of a model's weights and the C step over them.
+
+    Built from the dense weights after loading and before `pack_linears` drops them; `bind`
+    points it at the KV cache (again after a sleep).
+    """
+
+    def __init__(self, model: LlamaForCausalLM, block_size: int, max_batch: int = MAX_BATCH):
+        """Raises: CpuDecodeUnsupported (what is outside the path), NativeBuildError."""
+        cfg = model.config
+        dtype = model.embed_tokens.weight.dtype
+        why = _unsupported(model, dtype)
+        if why:
+            raise CpuDecodeUnsupported(why)
+        self.lib = _native.load("cpu_decode")
+        self.lib.trillm_decode_scratch.restype = ctypes.c_int64
+        self.model, self.dtype, self.max_batch = model, dtype, max_batch
+        self.layers = [_layer_weights(layer) for layer in model.decoder_layers()]
+        self.head = _tiles(model.lm_head.quantized_head, model.lm_head.weight)
+        self.final_norm = model.norm.weight.data.float().contiguous()
+        self.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.desc = _Model(
+            cfg.num_layers,
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            block_size,
+            DENSE[dtype],
+            cfg.rms_norm_eps,
+            cfg.head_dim**-0.5,
+            self.inv_freq.data_ptr(),
+        )
+        self.structs: ctypes.Array[_Layer] | None = None
+        self._kv: list[KVCache] | None = None
+        threads = torch.get_num_threads()
+        scratch = self.lib.trillm_decode_scratch(ctypes.byref(self.desc), max_batch, threads)
+        self.scratch = torch.empty(int(scratch), dtype=torch.float32)
+        self.hidden = torch.empty(max_batch, cfg.hidden_size, dtype=torch.float32)
+        self.out = torch.empty(max_batch, cfg.hidden_size, dtype=torch.float32)
+        self.threads = threads
+        self.num_runs = 0  # steps run here (tests check the path was taken)
+
+    def nbytes(self) -> int:
+        """Bytes of the tiled weight copies (what this path costs in memory)."""
+        tiles = [self.head] + [t for w in self.layers for t in (w.qkv, w.o, w.gate_up, w.down)]
+        return sum(t.nbytes for t in tiles)
+
+    def kinds(self) -> str:
+        """The weight types in use, e.g. "q4, q8 head"."""
+        names = {F32: "float32", BF16: "bfloat16", Q4: "q4", Q8: "q8"}
+        layers = sorted(
+            {names[t.kind] for w in self.layers for t in (w.qkv, w.o, w.gate_up, w.down)}
+        )
+        return f"{'/'.join(layers)} layers, {names[self.head.kind]} head"
+
+    def bind(self, kv_caches: list[KVCache]) -> None:
+        """Point every layer at its K and V cache tensors (held while bound: the C code has
+        only their addresses)."""
+        structs = (_Layer * len(self.layers))()
+        for s, w, (k, v) in zip(structs, self.layers, kv_caches, strict=True):
+            s.ln1, s.ln2 = w.ln1.data_ptr(), w.ln2.data_ptr()
+            s.wqkv, s.wo, s.wgu, s.wd = (t.data.data_ptr() for t in (w.qkv, w.o, w.gate_up, w.down))
+            s.tqkv, s.to, s.tgu, s.td = (t.kind for t in (w.qkv, w.o, w.gate_up, w.down))
+            s.bqkv, s.bo = _ptr(w.bqkv), _ptr(w.bo)
+            s.k_cache, s.v_cache = k.data_ptr(), v.data_ptr()
+        self.structs, self._kv = structs, list(kv_caches)
+
+    def unbind(self) -> None:
+        """Let the KV cache go (sleep): no step runs here until `bind` again."""
+        self.structs, self._kv = None, None
+
+    def covers(self, num_tokens: int, num_seqs: int) -> bool:
+        """This step is one token per sequence, few enough, and a cache is bound."""
+        return num_tokens == num_seqs <= self.max_batch and self.structs is not None
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        context_lens: np.ndarray,
+        block_table: np.ndarray,
+    ) -> torch.Tensor:
+        """Final-normed hidden states [M, hidden] (model dtype) of M decode tokens, written
+        into the bound KV cache. `block_table` [M, width] int32 (C order) lists each
+        sequence's blocks."""
+        m = len(positions)
+        self.num_runs += 1
+        hidden = self.hidden[:m]
+        hidden.copy_(self.model.embed_tokens(input_ids))
+        positions = np.ascontiguousarray(positions, np.int64)
+        slots = np.ascontiguousarray(slots, np.int64)
+        context_lens = np.ascontiguousarray(context_lens, np.int32)
+        self.lib.trillm_decode(
+            ctypes.byref(self.desc),
+            self.structs,
+            ctypes.c_void_p(self.final_norm.data_ptr()),
+            ctypes.c_void_p(hidden.data_ptr()),
+            ctypes.c_void_p(self.out.data_ptr()),
+            m,
+            positions.ctypes.data_as(ctypes.c_void_p),
+            slots.ctypes.data_as(ctypes.c_void_p),
+            block_table.ctypes.data_as(ctypes.c_void_p),
+            block_table.shape[1],
+            context_lens.ctypes.data_as(ctypes.c_void_p),
+            ctypes.c_void_p(self.scratch.data_ptr()),
+            self.threads,
+        )
+        return self.out[:m].to(self.dtype, copy=True)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 logits through the tiled head (N <= max_batch),
+        else the model's own head."""
+        n = hidden.shape[0]
+        if n > self.max_batch or n == 0:
+            return self.model.compute_logits(hidden)
+        x = hidden.float().contiguous()
+        vocab = self.model.config.vocab_size
+        logits = torch.empty(n, vocab, dtype=torch.float32)
+        self.lib.trillm_linear(
+            ctypes.c_void_p(self.head.data.data_ptr()),
+            self.head.kind,
+            x.shape[1],
+            vocab,
+            ctypes.c_void_p(x.data_ptr()),
+            n,
+            ctypes.c_void_p(logits.data_ptr()),
+            self.threads,
+        )
+        return logits
+
+
+def build_cpu_decode(
+    model: LlamaForCausalLM, config: WorkerConfig, block_size: int
+) -> tuple[CpuDecode | None, str]:
+    """The C decode step for `model`, or None, and the word for `KernelChoice.decode`."""
+    if config.enforce_eager:
+        return None, "torch (--enforce-eager)"
+    try:
+        decode = CpuDecode(model, block_size, min(MAX_BATCH, config.max_num_seqs))
+    except (CpuDecodeUnsupported, _native.NativeBuildError) as e:
+        return None, f"torch ({e})"
+    return decode, (
+        f"c (one call per step of up to {decode.max_batch} decodes; {decode.kinds()}; "
+        f"{decode.nbytes() / 2**20:.1f} MiB of tiled weights)"
+    )
+
+
+def _unsupported(model: LlamaForCausalLM, dtype: torch.dtype) -> str:
+    """Why `model` cannot take this path, or "" when it can."""
+    cfg = model.config
+    if model.embed_tokens.tp.world_size != 1:
+        return "tensor parallel: the C step runs one rank's whole layer"
+    if dtype not in DENSE:
+        return f"dtype {dtype}: float32 and bfloat16 only"
+    for layer in model.decoder_layers():
+        for linear in _linears(layer):
+            if linear.quantized is not None and not isinstance(linear.quantized, TiledLinear):
+                return "GGUF weights kept quantized for torch's int4 kernels"
+            if linear.quantized is None and linear.weight.numel() == 0:
+                return "the dense weights are gone (it must be built before pack_linears)"
+        gate_up = layer.mlp.gate_up_proj.quantized
+        if isinstance(gate_up, TiledLinear) and not gate_up.interleaved:
+            return "the gate/up tiles are not interleaved"
+    head = model.lm_head
+    if head.quantized_head is not None and not isinstance(head.quantized_head, TiledLinear):
+        return "the LM head is kept quantized for torch's kernels"
+    if cfg.intermediate_size % 16:
+        return f"intermediate_size {cfg.intermediate_size} is not a multiple of 16"
+    return ""
+
+
+def _linears(
+    layer: LlamaDecoderLayer,
+) -> tuple[ColumnParallelLinear, RowParallelLinear, ColumnParallelLinear, RowParallelLinear]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
+def _tiles(kept: object, weight: torch.Tensor, *, interleaved: bool = False) -> Tiles:
+    """The tiles a weight kept quantized already has, or a tiled copy of the dense one."""
+    if isinstance(kept, TiledLinear):
+        return kept.tiles
+    tiles = dense_tiles(weight.data)
+    return tiles.interleaved() if interleaved else tiles
+
+
+def _layer_weights(layer: LlamaDecoderLayer) -> _LayerWeights:
+    qkv, o, gate_up, down = _linears(layer)
+    return _LayerWeights(
+        layer.input_layernorm.weight.data.float().contiguous(),
+        layer.post_attention_layernorm.weight.data.float().contiguous(),
+        _tiles(qkv.quantized, qkv.weight),
+        _tiles(o.quantized, o.weight),
+        _tiles(gate_up.quantized, gate_up.weight, interleaved=True),
+        _tiles(down.quantized, down.weight),
+        None if qkv.bias is None else qkv.bias.data.float().contiguous(),
+        None if o.bias is None else o.bias.data.float().contiguous(),
+    )

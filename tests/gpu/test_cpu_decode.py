@@ -1,0 +1,261 @@
+"""The C decode step (`_cpu_decode`, `csrc/cpu_decode.c`) against the torch forward.
+
+Both paths run the same requests through the real runner; the C path must give the torch
+path's greedy tokens and logprobs (float32: to ~1e-4; bfloat16: the C path keeps the residual
+stream in float32, the torch path rounds it to bfloat16 at every add, so only closeness), take
+every step it covers, leave the rest to torch, and rebind after a sleep.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from trillm.gpu import SamplingOptions, WorkerConfig, _native
+from trillm.gpu._cpu_decode import build_cpu_decode
+from trillm.gpu._default_model import default_model_dir
+from trillm.gpu._gguf_blocks import Q4_0, Q4_1, Q8_0
+from trillm.gpu._tiles import quantized_tiles, tile
+
+from .conftest import make_runner
+from .driver import Driver, DriverRequest
+from .test_quantized import quantized, write_tiny_gguf
+
+pytestmark = pytest.mark.timeout(300)
+LOGPROBS = SamplingOptions(temperature=0.0, logprobs=3)
+
+
+def _run(model_dir: Path, prompts: list[list[int]], max_tokens: int, **kw: object):
+    runner = make_runner(model_dir, max_num_seqs=12, **kw)
+    requests = [DriverRequest(i, p, max_tokens, LOGPROBS) for i, p in enumerate(prompts)]
+    Driver(runner, 64).run(requests)
+    logprobs = [np.concatenate([o.logprobs for o in r.outputs]) for r in requests]
+    return runner, [r.output for r in requests], logprobs
+
+
+def _prompts(n: int) -> list[list[int]]:
+    # lengths 1 (a one-token prompt is a "decode" of context 1), then across block edges
+    return [list(range(100 + 13 * i, 100 + 13 * i + max(1, 7 * i))) for i in range(n)]
+
+
+@pytest.mark.parametrize("num_requests", [1, 5])
+def test_c_step_gives_the_torch_tokens(tiny_model_dir: Path, num_requests: int) -> None:
+    prompts = _prompts(num_requests)
+    eager, eager_tokens, eager_lp = _run(tiny_model_dir, prompts, 12, enforce_eager=True)
+    fused, tokens, lp = _run(tiny_model_dir, prompts, 12)
+    assert eager.cpu_decode is None and "torch (--enforce-eager)" in eager.kernels.decode
+    assert fused.cpu_decode is not None and fused.kernels.decode.startswith("c (")
+    assert fused.cpu_decode.num_runs >= 11  # every decode step
+    assert tokens == eager_tokens
+    for a, b in zip(lp, eager_lp, strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-4)
+
+
+def test_bfloat16_is_close(tiny_model_dir: Path) -> None:
+    prompts = _prompts(4)
+    _, eager_tokens, eager_lp = _run(
+        tiny_model_dir, prompts, 8, dtype="bfloat16", enforce_eager=True
+    )
+    fused, tokens, lp = _run(tiny_model_dir, prompts, 8, dtype="bfloat16")
+    assert fused.cpu_decode is not None and fused.cpu_decode.num_runs >= 7
+    for got, want, got_lp, want_lp in zip(tokens, eager_tokens, lp, eager_lp, strict=True):
+        same = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(got))
+        assert same >= 3, (got, want)  # the prefill's token and at least two C steps agree
+        np.testing.assert_allclose(got_lp[:same], want_lp[:same], atol=0.05)
+
+
+def test_more_decodes_than_max_batch_run_torch(tiny_model_dir: Path) -> None:
+    prompts = _prompts(10)
+    runner, tokens, _ = _run(tiny_model_dir, prompts, 4)
+    assert runner.cpu_decode is not None and runner.cpu_decode.max_batch == 8
+    assert runner.cpu_decode.num_runs == 0  # 10 decodes each step: above 8
+    _, eager_tokens, _ = _run(tiny_model_dir, prompts, 4, enforce_eager=True)
+    assert tokens == eager_tokens
+
+
+def test_sleep_and_wake_rebind_the_cache(tiny_model_dir: Path) -> None:
+    prompts = _prompts(3)
+    _, before, _ = _run(tiny_model_dir, prompts, 6)
+    runner = make_runner(tiny_model_dir, max_num_seqs=12)
+    Driver(runner, 64).run([DriverRequest(0, prompts[0], 3)])
+    runner.sleep(1)
+    runner.init_kv_cache(runner.wake_up())
+    requests = [DriverRequest(10 + i, p, 6, LOGPROBS) for i, p in enumerate(prompts)]
+    Driver(runner, 64).run(requests)
+    assert [r.output for r in requests] == before
+
+
+def test_tile_layout() -> None:
+    weight = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)
+    tiled = tile(weight)
+    assert tiled.shape == (2, 3, 16)
+    assert tiled[0, 2, 5] == weight[5, 2] and tiled[1, 1, 3] == weight[19, 1]
+    assert (tiled[1, :, 4:] == 0).all()  # padding rows
+
+
+def test_c_linear_matches_torch() -> None:
+    lib = _native.load("cpu_decode")
+    for n, k, m in ((49, 33, 1), (64, 576, 3), (16, 7, 8), (40, 16, 11)):
+        weight, x = torch.randn(n, k), torch.randn(m, k)
+        out = torch.empty(m, n)
+        w = tile(weight)
+        lib.trillm_linear(
+            ctypes.c_void_p(w.data_ptr()), 0, k, n, ctypes.c_void_p(x.data_ptr()), m,
+            ctypes.c_void_p(out.data_ptr()), torch.get_num_threads(),
+        )  # fmt: skip
+        torch.testing.assert_close(out, x @ weight.T, rtol=1e-5, atol=1e-4)
+
+
+def test_no_compiler_falls_back_to_torch(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRILLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-cc")
+    _native.load.cache_clear()
+    try:
+        runner = make_runner(tiny_model_dir, enforce_eager=True)
+        assert runner.model is not None
+        # built from a fresh model: its dense weights are packed away in `runner`
+        config = WorkerConfig(str(tiny_model_dir), device="cpu")
+        decode, word = build_cpu_decode(_fresh_model(tiny_model_dir), config, 8)
+        assert decode is None
+        assert word.startswith("torch (no C compiler 'no-such-cc'") and "install gcc" in word
+    finally:
+        _native.load.cache_clear()
+
+
+def test_compiler_errors_are_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_native, "CSRC", tmp_path)
+    monkeypatch.setenv("TRILLM_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "broken.c").write_text("int f( {\n")
+    with pytest.raises(_native.NativeBuildError, match=r"could not build broken.c .*error"):
+        _native.load("broken")
+    assert not list((tmp_path / "cache").glob("**/*.tmp"))  # no half-written object left
+
+
+def test_default_model_greedy_tokens_match_torch() -> None:
+    """SmolLM2-135M itself: the built-in model's tokens through both paths."""
+    model_dir = default_model_dir(progress=False)
+    prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 30, 2], [1] * 40]
+    _, eager, eager_lp = _run(model_dir, prompts, 16, enforce_eager=True, block_size=16)
+    runner, tokens, lp = _run(model_dir, prompts, 16, block_size=16)
+    assert runner.cpu_decode is not None and runner.cpu_decode.num_runs >= 15
+    assert tokens == eager
+    for a, b in zip(lp, eager_lp, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-3)
+
+
+def _fresh_model(model_dir: Path):
+    from trillm.gpu import TensorParallel, open_model
+    from trillm.gpu.models.llama import LlamaForCausalLM
+
+    model_config, weights = open_model(str(model_dir), "auto")
+    model = LlamaForCausalLM(model_config, TensorParallel(), torch.float32)
+    model.load_weights(weights)
+    return model
+
+
+# -- GGUF weights kept quantized: the C step's Q4 / Q8 tiles ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("quantized") / "tiny.gguf")
+
+
+def test_quantized_tiles_follow_the_dequantized_model(tiny_gguf: Path) -> None:
+    """One-token prompts run wholly in C (prefill included), so against the dequantised
+    model (torch, float32) only float32 rounding may differ: Q4 tiles apply d and m in
+    float32 to the exact nibbles, Q8 tiles the exact int8."""
+    prompts = [[5 + 11 * i] for i in range(4)]
+    _, dense_tokens, dense_lp = _run(
+        tiny_gguf, prompts, 10, quantization="none", enforce_eager=True
+    )
+    kept, tokens, lp = _run(tiny_gguf, prompts, 10, quantization="gguf")
+    assert kept.cpu_decode is not None and kept.cpu_decode.num_runs == 10
+    assert "float32/q4 layers, q8 head" in kept.kernels.decode  # layer 1's q/k/v is dense
+    assert tokens == dense_tokens
+    for a, b in zip(lp, dense_lp, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def test_quantized_c_step_continues_the_int4_prefill(tiny_gguf: Path) -> None:
+    prompts = _prompts(5)
+    _, eager_tokens, eager_lp = _run(tiny_gguf, prompts, 8, quantization="gguf", enforce_eager=True)
+    kept, tokens, lp = _run(tiny_gguf, prompts, 8, quantization="gguf")
+    assert kept.cpu_decode is not None and kept.cpu_decode.num_runs >= 7
+    # the torch path's int4 kernel rounds activations to bfloat16; the C step does not
+    for got, want, got_lp, want_lp in zip(tokens, eager_tokens, lp, eager_lp, strict=True):
+        same = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), 8)
+        assert same >= 4, (got, want)
+        np.testing.assert_allclose(got_lp[:same], want_lp[:same], atol=0.05)
+
+
+@pytest.mark.parametrize("qtype", [Q4_0, Q4_1, Q8_0], ids=["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("m", [1, 3, 8, 11])
+def test_quantized_linear_matches_the_dequantized_weight(qtype: int, m: int) -> None:
+    weight, _ = quantized(gguf.GGMLQuantizationType(qtype), 40, 96, seed=m)
+    tiles = quantized_tiles([weight])
+    x = torch.randn(m, 96)
+    out = torch.empty(m, 40)
+    _native.load("cpu_decode").trillm_linear(
+        ctypes.c_void_p(tiles.data.data_ptr()), tiles.kind, 96, 40,
+        ctypes.c_void_p(x.data_ptr()), m, ctypes.c_void_p(out.data_ptr()),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    torch.testing.assert_close(out, x @ weight.dequantize().T, rtol=1e-5, atol=1e-5)
+
+
+LEVEL_CHILD = """
+import sys, gguf, torch
+sys.path.insert(0, sys.argv[1])
+from tests.gpu.test_quantized import quantized
+from trillm.gpu._quantized import pack_quantized
+from trillm.gpu._tiles import TiledLinear, dense_tiles
+Q = gguf.GGMLQuantizationType
+x = torch.randn(11, 96)
+for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+    weight, _ = quantized(qtype, 40, 96)
+    linear = pack_quantized([weight])
+    assert isinstance(linear, TiledLinear)
+    torch.testing.assert_close(linear(x), x @ weight.dequantize().T, rtol=1e-5, atol=1e-5)
+for dtype in (torch.float32, torch.bfloat16):
+    w = torch.randn(40, 96).to(dtype)
+    out = TiledLinear(dense_tiles(w), 40)(x)
+    torch.testing.assert_close(out, x @ w.float().T, rtol=1e-5, atol=1e-4)
+from pathlib import Path
+from tests.gpu.conftest import make_runner, save_tiny
+from tests.gpu.driver import Driver, DriverRequest
+model = save_tiny(Path(sys.argv[2]) / "tiny", "qwen2")
+outputs = []
+for eager in (True, False):
+    runner = make_runner(model, enforce_eager=eager)
+    requests = [DriverRequest(i, list(range(50 + i, 60 + 3 * i)), 8) for i in range(3)]
+    Driver(runner, 64).run(requests)
+    outputs.append([r.output for r in requests])
+assert runner.cpu_decode is not None and runner.cpu_decode.num_runs >= 7
+assert outputs[0] == outputs[1], outputs
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"], ids=["avx2", "sse2"])
+def test_the_avx2_and_sse2_builds_compute_the_same(march: str, tmp_path: Path) -> None:
+    """Machines differ: the C code built for AVX2 (no AVX-512) and for plain x86-64 (SSE2, no
+    F16C: the scalar float16 path) runs here too, and must give the same products."""
+    if os.uname().machine != "x86_64":
+        pytest.skip("x86-64 levels")
+    env = {**os.environ, "TRILLM_CPU_MARCH": march, "TRILLM_CACHE_DIR": str(tmp_path)}
+    root = str(Path(__file__).resolve().parents[2])
+    command = [sys.executable, "-c", LEVEL_CHILD, root, str(tmp_path)]
+    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    assert list(tmp_path.glob("kernels/cpu_decode-*.so"))  # built for that level, apart
