@@ -38,6 +38,17 @@ class StepAttention(Protocol):
         ...
 
 
+class QkvAttention:
+    """A step's attention that takes the qkv projection whole: rotary, the KV write and the
+    attention in one call per layer (`_cpu_decode.DecodeAttention`, in C)."""
+
+    def attend_qkv(
+        self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """qkv [T, (H + 2 Hkv) D] -> the attention output [T, H D]."""
+        raise NotImplementedError
+
+
 class AttentionBackend(Protocol):
     """Builds each step's `StepAttention` from the scheduled sequences (numpy)."""
 

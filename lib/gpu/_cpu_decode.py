@@ -25,12 +25,14 @@ import numpy as np
 import torch
 
 from . import _native
+from ._attention import QkvAttention
 from ._config import WorkerConfig
 from ._layers import ColumnParallelLinear, RowParallelLinear
 from ._rotary import inverse_frequencies
 from ._tiles import BF16, DENSE, F32, Q4, Q8, TiledLinear, Tiles, dense_tiles
 from .models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
 
+MAX_GROUP = 16  # query heads per kv head (csrc: MAX_GROUP)
 MAX_BATCH = 8  # above this the torch forward (oneDNN) is as fast (perf/decode_profile.py)
 
 
@@ -130,6 +132,7 @@ class CpuDecode:
         self.out = torch.empty(max_batch, cfg.hidden_size, dtype=torch.float32)
         self.threads = threads
         self.num_runs = 0  # steps run here (tests check the path was taken)
+        self.num_attention_steps = 0  # larger decode steps given C's attention
 
     def nbytes(self) -> int:
         """Bytes of the tiled weight copies (what this path costs in memory)."""
@@ -160,9 +163,13 @@ class CpuDecode:
         """Let the KV cache go (sleep): no step runs here until `bind` again."""
         self.structs, self._kv = None, None
 
-    def covers(self, num_tokens: int, num_seqs: int) -> bool:
-        """This step is one token per sequence, few enough, and a cache is bound."""
-        return num_tokens == num_seqs <= self.max_batch and self.structs is not None
+    @property
+    def bound(self) -> bool:
+        return self.structs is not None
+
+    def covers(self, num_decodes: int) -> bool:
+        """A step of this many decodes (one token per sequence) runs here (`run`)."""
+        return num_decodes <= self.max_batch and self.bound
 
     def run(
         self,
@@ -199,6 +206,29 @@ class CpuDecode:
         )
         return self.out[:m].to(self.dtype, copy=True)
 
+    def attention(
+        self,
+        positions: torch.Tensor,
+        slots: np.ndarray,
+        context_lens: np.ndarray,
+        block_table: np.ndarray,
+    ) -> DecodeAttention:
+        """For a decode step too large for `run`: the torch forward with oneDNN's linears
+        (its GEMM wins from about 8 rows) and C's attention in each layer, which reads the KV
+        blocks in place where the torch path gathered them and ran SDPA (measured at 32
+        decodes of SmolLM2: rotary, gathers and SDPA took 20 of the step's 50 ms)."""
+        self.num_attention_steps += 1
+        half = self.model.config.head_dim // 2
+        rotary = self.model.rotary
+        return DecodeAttention(
+            self,
+            rotary.cos[positions][:, :half].float().contiguous(),
+            rotary.sin[positions][:, half:].float().contiguous(),  # the table holds -sin, sin
+            np.ascontiguousarray(slots, np.int64),
+            np.ascontiguousarray(context_lens, np.int32),
+            block_table,
+        )
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits through the tiled head (N <= max_batch),
         else the model's own head."""
@@ -219,6 +249,48 @@ class CpuDecode:
             self.threads,
         )
         return logits
+
+
+class DecodeAttention(QkvAttention):
+    """A decode step's attention in C, layer by layer (`CpuDecode.attention`)."""
+
+    def __init__(
+        self,
+        decode: CpuDecode,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: np.ndarray,
+        context_lens: np.ndarray,
+        block_table: np.ndarray,
+    ) -> None:
+        self.decode, self.cos, self.sin = decode, cos, sin
+        self.slots, self.context_lens, self.block_table = slots, context_lens, block_table
+        cfg = decode.model.config
+        self.out_features = cfg.num_heads * cfg.head_dim
+
+    def attend_qkv(
+        self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        x = qkv.float().contiguous()
+        m = x.shape[0]
+        out = torch.empty(m, self.out_features, dtype=torch.float32)
+        self.decode.lib.trillm_attention(
+            ctypes.byref(self.decode.desc),
+            ctypes.c_void_p(k_cache.data_ptr()),
+            ctypes.c_void_p(v_cache.data_ptr()),
+            ctypes.c_void_p(x.data_ptr()),
+            ctypes.c_void_p(self.cos.data_ptr()),
+            ctypes.c_void_p(self.sin.data_ptr()),
+            self.cos.shape[1],
+            self.slots.ctypes.data_as(ctypes.c_void_p),
+            self.block_table.ctypes.data_as(ctypes.c_void_p),
+            self.block_table.shape[1],
+            self.context_lens.ctypes.data_as(ctypes.c_void_p),
+            m,
+            ctypes.c_void_p(out.data_ptr()),
+            self.decode.threads,
+        )
+        return out.to(qkv.dtype)
 
 
 def build_cpu_decode(
@@ -258,6 +330,8 @@ def _unsupported(model: LlamaForCausalLM, dtype: torch.dtype) -> str:
         return "the LM head is kept quantized for torch's kernels"
     if cfg.intermediate_size % 16:
         return f"intermediate_size {cfg.intermediate_size} is not a multiple of 16"
+    if cfg.num_heads // cfg.num_kv_heads > MAX_GROUP:
+        return f"more than {MAX_GROUP} query heads per kv head"
     return ""
 
 

@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 import torch
 
-from ._attention import AttentionBackend, StepAttention, TorchAttention
+from ._attention import AttentionBackend, QkvAttention, StepAttention, TorchAttention
 from ._config import WorkerConfig
 from ._cpu_decode import CpuDecode, build_cpu_decode
 from ._cpu_linear import CpuFeatures
@@ -268,8 +268,8 @@ class ModelRunner:
         return self._finish(inputs, sampling, rnums, states, sampled, prompt_logprobs)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states of the step's tokens: a graph replay (CUDA) or one C call (CPU) for
-        decodes, else eager."""
+        """Hidden states of the step's tokens: a graph replay (CUDA) or one C call (CPU, up to
+        8) for decodes, else eager (on CPU, decodes with C's attention)."""
         assert self.model is not None
         graphs = self.graphs
         num_seqs = len(inputs.rows)
@@ -288,20 +288,18 @@ class ModelRunner:
                 self._tensor(np.ascontiguousarray(self.inputs.block_table[inputs.rows, :width])),
             )
         decode = self.cpu_decode
-        if (
-            decode is not None
-            and not self.model.fail_next_forward
-            and decode.covers(len(inputs.input_ids), num_seqs)
-        ):
+        meta: StepAttention | QkvAttention
+        if decode is not None and decode.bound and len(inputs.input_ids) == num_seqs:
             width = int(-(-inputs.context_lens.max() // self.block_size))
-            return decode.run(
-                self._tensor(inputs.input_ids),
-                inputs.positions,
-                inputs.slots,
-                inputs.context_lens,
-                np.ascontiguousarray(self.inputs.block_table[inputs.rows, :width]),
-            )
-        meta = self._attention_metadata(inputs)
+            table = np.ascontiguousarray(self.inputs.block_table[inputs.rows, :width])
+            if decode.covers(num_seqs) and not self.model.fail_next_forward:
+                ids = self._tensor(inputs.input_ids)
+                return decode.run(ids, inputs.positions, inputs.slots, inputs.context_lens, table)
+            # more decodes than the C step takes: oneDNN's linears, C's attention
+            positions = self._tensor(inputs.positions)
+            meta = decode.attention(positions, inputs.slots, inputs.context_lens, table)
+        else:
+            meta = self._attention_metadata(inputs)
         hidden: torch.Tensor = self.model(
             self._tensor(inputs.input_ids), self._tensor(inputs.positions), self.kv_caches, meta
         )

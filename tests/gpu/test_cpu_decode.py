@@ -66,19 +66,32 @@ def test_bfloat16_is_close(tiny_model_dir: Path) -> None:
     )
     fused, tokens, lp = _run(tiny_model_dir, prompts, 8, dtype="bfloat16")
     assert fused.cpu_decode is not None and fused.cpu_decode.num_runs >= 7
+    _assert_bfloat16_close(tokens, eager_tokens, lp, eager_lp)
+
+
+def _assert_bfloat16_close(tokens, eager_tokens, lp, eager_lp) -> None:  # type: ignore[no-untyped-def]
     for got, want, got_lp, want_lp in zip(tokens, eager_tokens, lp, eager_lp, strict=True):
         same = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(got))
         assert same >= 3, (got, want)  # the prefill's token and at least two C steps agree
         np.testing.assert_allclose(got_lp[:same], want_lp[:same], atol=0.05)
 
 
-def test_more_decodes_than_max_batch_run_torch(tiny_model_dir: Path) -> None:
+def test_more_decodes_than_max_batch_run_onednn_linears_with_c_attention(
+    tiny_model_dir: Path,
+) -> None:
     prompts = _prompts(10)
-    runner, tokens, _ = _run(tiny_model_dir, prompts, 4)
+    runner, tokens, lp = _run(tiny_model_dir, prompts, 6)
     assert runner.cpu_decode is not None and runner.cpu_decode.max_batch == 8
     assert runner.cpu_decode.num_runs == 0  # 10 decodes each step: above 8
-    _, eager_tokens, _ = _run(tiny_model_dir, prompts, 4, enforce_eager=True)
+    assert runner.cpu_decode.num_attention_steps == 5  # every decode step
+    _, eager_tokens, eager_lp = _run(tiny_model_dir, prompts, 6, enforce_eager=True)
     assert tokens == eager_tokens
+    for a, b in zip(lp, eager_lp, strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-4)
+    runner, tokens, lp = _run(tiny_model_dir, prompts, 6, dtype="bfloat16")  # a bfloat16 cache
+    assert runner.cpu_decode is not None and runner.cpu_decode.num_attention_steps == 5
+    eager = _run(tiny_model_dir, prompts, 6, dtype="bfloat16", enforce_eager=True)
+    _assert_bfloat16_close(tokens, eager[1], lp, eager[2])
 
 
 def test_sleep_and_wake_rebind_the_cache(tiny_model_dir: Path) -> None:
@@ -259,3 +272,30 @@ def test_the_avx2_and_sse2_builds_compute_the_same(march: str, tmp_path: Path) -
     out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
     assert list(tmp_path.glob("kernels/cpu_decode-*.so"))  # built for that level, apart
+
+
+def test_a_head_dim_off_the_vector_width_takes_the_per_head_path(tmp_path: Path) -> None:
+    """head_dim 12: not a multiple of 16, so each query head attends alone (`attend`)."""
+    import shutil
+
+    import transformers
+
+    from .conftest import TINY
+
+    config = transformers.LlamaConfig(**{**TINY, "hidden_size": 48}, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir(progress=False) / name, tmp_path / name)
+    prompts = _prompts(10)
+    runner, tokens, lp = _run(tmp_path, prompts, 5)
+    assert runner.model_config.head_dim == 12
+    assert runner.cpu_decode is not None and runner.cpu_decode.num_attention_steps == 4
+    _, eager_tokens, eager_lp = _run(tmp_path, prompts[:3], 5, enforce_eager=True)
+    fused, small, small_lp = _run(tmp_path, prompts[:3], 5)
+    assert fused.cpu_decode is not None and fused.cpu_decode.num_runs == 4
+    assert small == eager_tokens
+    for a, b in zip(small_lp, eager_lp, strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-4)
+    _, eager_tokens, _ = _run(tmp_path, prompts, 5, enforce_eager=True)
+    assert tokens == eager_tokens

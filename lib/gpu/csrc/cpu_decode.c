@@ -446,17 +446,166 @@ static void attend(const float *q, const float *k, const float *v, const void *k
     for (int i = 0; i < D; i++) out[i] *= inv;
 }
 
+#define MAX_GROUP 16 /* query heads per kv head the grouped path takes (Python checks) */
+#define WORK_FLOATS(D) (64 + (5 + 2 * 16 + MAX_GROUP) * (D)) /* a thread's attention work */
+
+/* r[c] = the sum of v[c]'s lanes, for 16 vectors: a tree of 15 shuffle-adds instead of 16
+ * horizontal sums. After level k each vector holds 16 >> k partial sums of 2^k inputs. */
+static inline f32x16 reduce16(const f32x16 *v) {
+    f32x16 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
+                                       18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15,
+                                       24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
+                                       18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20,
+                                       21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17,
+                                       20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18,
+                                       19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
+                                   26, 28, 30) +
+           __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25,
+                                   27, 29, 31);
+}
+
+/* The `group` query heads `q` [group][D] of one kv head against its sequence's `ctx - 1`
+ * cached keys and the new key (k, v), 16 keys at a time: each key is read once for the
+ * whole group, its 16 scores come out of one `reduce16`, online softmax per head. D % 16 ==
+ * 0. `out` [group][D]; `work`: WORK_FLOATS(D). */
+static void attend_group(const float *q, int group, const float *k, const float *v,
+                         const void *kc, const void *vc, int ctype, const int32_t *table,
+                         int ctx, int B, int Hkv, int g, int D, float scale, float *out,
+                         float *work) {
+    float *kbuf = work, *vbuf = work + 16 * D, *zeros = work + 32 * D;
+    float run_max[MAX_GROUP], run_sum[MAX_GROUP];
+    for (int hh = 0; hh < group; hh++) {
+        run_max[hh] = -INFINITY;
+        run_sum[hh] = 0.0f;
+    }
+    memset(out, 0, sizeof(float) * (size_t)group * D);
+    memset(zeros, 0, sizeof(float) * (size_t)D);
+    const size_t row = (size_t)Hkv * D;
+    for (int j0 = 0; j0 < ctx; j0 += 16) {
+        int n = ctx - j0 < 16 ? ctx - j0 : 16;
+        const float *kp[16], *vp[16];
+        for (int c = 0; c < 16; c++) { /* keys past the context read zeros, weigh 0 */
+            int j = j0 + c;
+            if (c >= n) {
+                kp[c] = vp[c] = zeros;
+            } else if (j == ctx - 1) {
+                kp[c] = k;
+                vp[c] = v;
+            } else {
+                size_t off = ((size_t)table[j / B] * B + (size_t)(j % B)) * row + (size_t)g * D;
+                if (ctype == TL_F32) {
+                    kp[c] = (const float *)kc + off;
+                    vp[c] = (const float *)vc + off;
+                } else {
+                    const uint16_t *kh = (const uint16_t *)kc + off;
+                    const uint16_t *vh = (const uint16_t *)vc + off;
+                    for (int i = 0; i < D; i += 16) {
+                        f32x16 kv = load_bf16(kh + i), vv = load_bf16(vh + i);
+                        memcpy(kbuf + c * D + i, &kv, sizeof kv);
+                        memcpy(vbuf + c * D + i, &vv, sizeof vv);
+                    }
+                    kp[c] = kbuf + c * D;
+                    vp[c] = vbuf + c * D;
+                }
+            }
+        }
+        const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        const i32x16 valid = lane < n;
+        for (int hh = 0; hh < group; hh++) {
+            const float *qh = q + (size_t)hh * D;
+            f32x16 acc[16];
+            for (int c = 0; c < 16; c++) acc[c] = (f32x16){0};
+            for (int i = 0; i < D; i += 16) {
+                f32x16 qv = load_f32(qh + i);
+                for (int c = 0; c < 16; c++) acc[c] += qv * load_f32(kp[c] + i);
+            }
+            f32x16 scores = reduce16(acc) * scale;
+            const f32x16 minus_inf = (f32x16){0} - INFINITY;
+            scores = (f32x16)(((i32x16)scores & valid) | ((i32x16)minus_inf & ~valid));
+            float chunk_max = -INFINITY;
+            for (int c = 0; c < 16; c++) chunk_max = scores[c] > chunk_max ? scores[c] : chunk_max;
+            float new_max = chunk_max > run_max[hh] ? chunk_max : run_max[hh];
+            float rescale = expf(run_max[hh] - new_max);
+            f32x16 p = (f32x16)((i32x16)exp16(scores - new_max) & valid);
+            run_sum[hh] = run_sum[hh] * rescale + hsum(p);
+            float *oh = out + (size_t)hh * D;
+            for (int i = 0; i < D; i += 16) {
+                f32x16 o = load_f32(oh + i) * rescale;
+                for (int c = 0; c < 16; c++) o += p[c] * load_f32(vp[c] + i);
+                memcpy(oh + i, &o, sizeof o);
+            }
+            run_max[hh] = new_max;
+        }
+    }
+    for (int hh = 0; hh < group; hh++) {
+        float inv = 1.0f / run_sum[hh];
+        for (int i = 0; i < D; i++) out[(size_t)hh * D + i] *= inv;
+    }
+}
+
 static void split(int n, int tid, int nt, int *lo, int *hi) {
     *lo = (int)((int64_t)n * tid / nt);
     *hi = (int)((int64_t)n * (tid + 1) / nt);
 }
 
 /* Floats of scratch `trillm_decode` needs for M tokens on `threads` threads. */
+/* The attention of tasks [t0, t1) of `num_attention_tasks`: rotate the queries and the
+ * new key (`cos_`/`sin_` rows of `rope_stride`, the first head_dim / 2 used), store the new
+ * K/V at the token's slot, attend over the cache and the new key. With head_dim % 16 == 0 a
+ * task is a token's kv head and its query group (`attend_group`), else a token's query head
+ * (`attend`). `qkv` [M, q + 2 kv], `out` [M, q]; `work`: WORK_FLOATS(head_dim). */
+static void attention_tasks(const struct tl_model *md, void *k_cache, void *v_cache,
+                            const float *qkv, const float *cos_, const float *sin_,
+                            int rope_stride, const int64_t *slots, const int32_t *tables,
+                            int table_stride, const int32_t *context_lens, float *out, int t0,
+                            int t1, float *work) {
+    const int D = md->head_dim, NH = md->num_heads, NKV = md->num_kv_heads, group = NH / NKV;
+    const int Q = NH * D, KV = NKV * D, NQKV = Q + 2 * KV, grouped = D % 16 == 0;
+    float *attn_work = work + (4 + MAX_GROUP) * D, *qrot = work, *krot = work + MAX_GROUP * D;
+    for (int task = t0; task < t1; task++) {
+        int per = grouped ? NKV : NH, m = task / per;
+        int g = grouped ? task % per : (task % per) / group, h0 = grouped ? g * group : task % per;
+        int heads = grouped ? group : 1;
+        const float *row = qkv + (size_t)m * NQKV;
+        const float *c = cos_ + (size_t)m * rope_stride, *s = sin_ + (size_t)m * rope_stride;
+        const float *v = row + Q + KV + (size_t)g * D;
+        for (int hh = 0; hh < heads; hh++)
+            rotate(row + (size_t)(h0 + hh) * D, c, s, D, qrot + (size_t)hh * D);
+        rotate(row + Q + (size_t)g * D, c, s, D, krot);
+        if (h0 % group == 0) {
+            cache_store(k_cache, md->cache_type, slots[m], NKV, g, D, krot);
+            cache_store(v_cache, md->cache_type, slots[m], NKV, g, D, v);
+        }
+        const int32_t *table = tables + (size_t)m * table_stride;
+        float *o = out + (size_t)m * Q + (size_t)h0 * D;
+        if (grouped)
+            attend_group(qrot, group, krot, v, k_cache, v_cache, md->cache_type, table,
+                         context_lens[m], md->block_size, NKV, g, D, md->scale, o, attn_work);
+        else
+            attend(qrot, krot, v, k_cache, v_cache, md->cache_type, table, context_lens[m],
+                   md->block_size, NKV, g, D, md->scale, o, attn_work);
+    }
+}
+
+static int num_attention_tasks(const struct tl_model *md, int M) {
+    return M * (md->head_dim % 16 == 0 ? md->num_kv_heads : md->num_heads);
+}
+
 static int64_t private_floats(const struct tl_model *md, int M) {
     int64_t widest = md->hidden > md->intermediate ? md->hidden : md->intermediate;
     int64_t q = (int64_t)md->num_heads * md->head_dim;
     widest = widest > q ? widest : q;
-    return (int64_t)M * md->hidden + 2 * (int64_t)M * md->head_dim + 64 + 4 * md->head_dim +
+    return (int64_t)M * md->hidden + 2 * (int64_t)M * md->head_dim + WORK_FLOATS(md->head_dim) +
            (int64_t)M * (widest / 32 + 1);
 }
 
@@ -496,7 +645,7 @@ void trillm_decode(const struct tl_model *md, const struct tl_layer *layers,
                    const int64_t *positions, const int64_t *slots, const int32_t *tables,
                    int table_stride, const int32_t *context_lens, float *scratch, int threads) {
     const int H = md->hidden, D = md->head_dim, NH = md->num_heads, NKV = md->num_kv_heads;
-    const int I = md->intermediate, B = md->block_size, group = NH / NKV;
+    const int I = md->intermediate;
     const int Q = NH * D, KV = NKV * D, NQKV = Q + 2 * KV;
     float *qkv = scratch, *attn = qkv + (size_t)M * NQKV, *act = attn + (size_t)M * Q;
     float *private_base = act + (size_t)M * I;
@@ -507,7 +656,7 @@ void trillm_decode(const struct tl_model *md, const struct tl_layer *layers,
         thread_slot(&tid, &nt);
         float *xn = private_base + tid * private_size, *cos_ = xn + (size_t)M * H;
         float *sin_ = cos_ + (size_t)M * D, *work = sin_ + (size_t)M * D;
-        float *qrot = work + 64 + 2 * D, *krot = qrot + D, *xsum = krot + D;
+        float *xsum = work + WORK_FLOATS(D);
         for (int m = 0; m < M; m++) /* rotary angles, once per step, in every thread */
             for (int i = 0; i < D / 2; i++) {
                 float a = (float)positions[m] * md->inv_freq[i];
@@ -518,7 +667,7 @@ void trillm_decode(const struct tl_model *md, const struct tl_layer *layers,
         split((NQKV + 15) / 16, tid, nt, &qkv_t0, &qkv_t1);
         split((H + 15) / 16, tid, nt, &o_t0, &o_t1);
         split(I / 16, tid, nt, &gu_t0, &gu_t1);
-        split(M * NH, tid, nt, &att0, &att1);
+        split(num_attention_tasks(md, M), tid, nt, &att0, &att1);
         for (int l = 0; l < md->num_layers; l++) {
             const struct tl_layer *L = &layers[l];
             for (int m = 0; m < M; m++)
@@ -526,21 +675,8 @@ void trillm_decode(const struct tl_model *md, const struct tl_layer *layers,
             linear_tiles(L->wqkv, L->tqkv, H, NQKV, L->bqkv, xn, H, M,
                          sums_for(L->tqkv, xn, M, H, xsum), qkv, NQKV, OUT_STORE, qkv_t0, qkv_t1);
 #pragma omp barrier
-            for (int task = att0; task < att1; task++) {
-                int m = task / NH, h = task % NH, g = h / group;
-                const float *row = qkv + (size_t)m * NQKV;
-                const float *c = cos_ + (size_t)m * D, *s = sin_ + (size_t)m * D;
-                const float *v = row + Q + KV + (size_t)g * D;
-                rotate(row + (size_t)h * D, c, s, D, qrot);
-                rotate(row + Q + (size_t)g * D, c, s, D, krot);
-                if (h % group == 0) {
-                    cache_store(L->k_cache, md->cache_type, slots[m], NKV, g, D, krot);
-                    cache_store(L->v_cache, md->cache_type, slots[m], NKV, g, D, v);
-                }
-                attend(qrot, krot, v, L->k_cache, L->v_cache, md->cache_type,
-                       tables + (size_t)m * table_stride, context_lens[m], B, NKV, g, D,
-                       md->scale, attn + (size_t)m * Q + (size_t)h * D, work);
-            }
+            attention_tasks(md, L->k_cache, L->v_cache, qkv, cos_, sin_, D, slots, tables,
+                            table_stride, context_lens, attn, att0, att1, work);
 #pragma omp barrier
             linear_tiles(L->wo, L->to, Q, H, L->bo, attn, Q, M, sums_for(L->to, attn, M, Q, xsum),
                          hidden, H, OUT_ADD, o_t0, o_t1);
@@ -582,4 +718,22 @@ int trillm_linear(const void *w, int wtype, int K, int N, const float *x, int M,
     }
     free(xsum);
     return 0;
+}
+
+/* One layer's decode attention for the torch forward's larger decode batches (the linears
+ * there are oneDNN's): `attention_tasks` over M tokens on `threads` threads, the rotary
+ * angles given (`cos_`, `sin_` [M, rope_stride], float32). */
+void trillm_attention(const struct tl_model *md, void *k_cache, void *v_cache,
+                      const float *qkv, const float *cos_, const float *sin_, int rope_stride,
+                      const int64_t *slots, const int32_t *tables, int table_stride,
+                      const int32_t *context_lens, int M, float *out, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        int tid, nt, t0, t1;
+        thread_slot(&tid, &nt);
+        float work[WORK_FLOATS(md->head_dim)];
+        split(num_attention_tasks(md, M), tid, nt, &t0, &t1);
+        attention_tasks(md, k_cache, v_cache, qkv, cos_, sin_, rope_stride, slots, tables,
+                        table_stride, context_lens, out, t0, t1, work);
+    }
 }

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._attention import StepAttention
+from .._attention import QkvAttention, StepAttention
 from .._failure import InjectedFault
 from .._gguf_blocks import QuantizedTensor
 from .._layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
@@ -60,9 +60,12 @@ class LlamaAttention(nn.Module):
         rope: Rope,
         hidden: torch.Tensor,
         kv_cache: KVCache,
-        meta: StepAttention,
+        meta: StepAttention | QkvAttention,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
+        if isinstance(meta, QkvAttention):  # rotary, KV write and attention in one call
+            fused: torch.Tensor = self.o_proj(meta.attend_qkv(qkv, kv_cache[0], kv_cache[1]))
+            return fused
         qk_heads = self.num_heads + self.num_kv_heads
         qk = self.rotary.rotate(
             qkv[:, : self.q_size + self.kv_size].view(-1, qk_heads, self.head_dim), rope
@@ -108,7 +111,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, tp, dtype)
 
     def forward(
-        self, rope: Rope, hidden: torch.Tensor, kv: KVCache, meta: StepAttention
+        self, rope: Rope, hidden: torch.Tensor, kv: KVCache, meta: StepAttention | QkvAttention
     ) -> torch.Tensor:
         hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv, meta)
         result: torch.Tensor = hidden + self.mlp(self.post_attention_layernorm(hidden))
@@ -160,7 +163,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[KVCache],
-        meta: StepAttention,
+        meta: StepAttention | QkvAttention,
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] of this step's tokens."""
         if self.fail_next_forward:
