@@ -288,7 +288,7 @@ def test_a_head_dim_off_the_vector_width_takes_the_per_head_path(tmp_path: Path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(default_model_dir(progress=False) / name, tmp_path / name)
     prompts = _prompts(10)
-    runner, tokens, lp = _run(tmp_path, prompts, 5)
+    runner, tokens, _ = _run(tmp_path, prompts, 5)
     assert runner.model_config.head_dim == 12
     assert runner.cpu_decode is not None and runner.cpu_decode.num_attention_steps == 4
     _, eager_tokens, eager_lp = _run(tmp_path, prompts[:3], 5, enforce_eager=True)
