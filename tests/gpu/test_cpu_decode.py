@@ -18,6 +18,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from trillm.gpu import SamplingOptions, WorkerConfig, _native
 from trillm.gpu._cpu_decode import build_cpu_decode
@@ -299,3 +300,12 @@ def test_a_head_dim_off_the_vector_width_takes_the_per_head_path(tmp_path: Path)
         np.testing.assert_allclose(a, b, atol=2e-4)
     _, eager_tokens, _ = _run(tmp_path, prompts, 5, enforce_eager=True)
     assert tokens == eager_tokens
+
+
+def test_silu_mul_in_one_pass_matches_torch() -> None:
+    from trillm.gpu._cpu_ops import silu_mul
+
+    x = torch.randn(37, 2 * 40) * 4
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_mul(x), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    assert silu_mul(x.bfloat16()).dtype == torch.bfloat16  # torch's, for other dtypes

@@ -737,3 +737,21 @@ void trillm_attention(const struct tl_model *md, void *k_cache, void *v_cache,
                         table_stride, context_lens, out, t0, t1, work);
     }
 }
+
+/* out[t, j] = silu(x[t, j]) * x[t, I + j] for a [T, 2I] gate/up projection in [gate | up]
+ * order: the torch forward's MLP activation in one pass (torch made a SiLU temporary, then
+ * multiplied: two passes over [T, I] and an allocation, 11% of a 2048-token prefill). */
+void trillm_silu_mul(const float *x, int64_t T, int I, float *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = x + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        int j = 0;
+        for (; j + 16 <= I; j += 16) {
+            f32x16 gv = load_f32(g + j);
+            f32x16 r = gv / (exp16(-gv) + 1.0f) * load_f32(u + j);
+            memcpy(o + j, &r, sizeof r);
+        }
+        for (; j < I; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
+}

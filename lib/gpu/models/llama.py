@@ -12,10 +12,10 @@ import re
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .._attention import QkvAttention, StepAttention
+from .._cpu_ops import silu_mul
 from .._failure import InjectedFault
 from .._gguf_blocks import QuantizedTensor
 from .._layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
@@ -95,8 +95,7 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        result: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        result: torch.Tensor = self.down_proj(silu_mul(self.gate_up_proj(x)))
         return result
 
 
