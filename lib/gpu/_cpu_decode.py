@@ -9,10 +9,11 @@ inside one OpenMP region, over weights laid out for a matrix-vector product (16-
 k-major), with the KV write and paged attention in the same pass.
 
 What it covers: steps in which every sequence brings one token (decodes, and one-token
-prompts) and there are at most `max_batch` of them, on one rank, in float32 or bfloat16 with
-dense weights. Everything else (prefill, mixed steps, tensor parallel, GGUF weights kept
-quantized) runs the torch forward, whose linears stay packed for oneDNN: those are its
-strength. The price is a second copy of the dense weights, in the tiled layout (logged at
+prompts) and there are at most `max_batch` (64) of them, on one rank, in float32 or bfloat16,
+dense or GGUF weights kept quantized (the same C tiles, `_tiles`). Larger decode steps run
+the torch forward with C's attention (`attention`); everything else (prefill, mixed steps,
+tensor parallel) runs the torch forward, whose dense linears stay packed for oneDNN: large
+GEMMs are its strength. The price is a second copy of the dense weights, in the tiled layout (logged at
 load). `--enforce-eager` turns it off, as it turns CUDA graphs off.
 """
 
@@ -33,7 +34,9 @@ from ._tiles import BF16, DENSE, F32, Q4, Q8, TiledLinear, Tiles, dense_tiles
 from .models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
 
 MAX_GROUP = 16  # query heads per kv head (csrc: MAX_GROUP)
-MAX_BATCH = 8  # above this the torch forward (oneDNN) is as fast (perf/decode_profile.py)
+# Up to this many decodes the C step beat the torch forward with C attention (oneDNN's
+# linears): 19.2 / 22.1 ms at 8, 36.9 / 40.9 at 32, 62.3 / 69.1 at 64 (SmolLM2 fp32, 2 cores).
+MAX_BATCH = 64
 
 
 class _Layer(ctypes.Structure):
@@ -214,9 +217,9 @@ class CpuDecode:
         block_table: np.ndarray,
     ) -> DecodeAttention:
         """For a decode step too large for `run`: the torch forward with oneDNN's linears
-        (its GEMM wins from about 8 rows) and C's attention in each layer, which reads the KV
-        blocks in place where the torch path gathered them and ran SDPA (measured at 32
-        decodes of SmolLM2: rotary, gathers and SDPA took 20 of the step's 50 ms)."""
+        and C's attention in each layer, which reads the KV blocks in place where the torch
+        path gathered them and ran SDPA (measured at 32 decodes of SmolLM2: rotary, gathers
+        and SDPA took 20 of the step's 50 ms; C's attention 9)."""
         self.num_attention_steps += 1
         half = self.model.config.head_dim // 2
         rotary = self.model.rotary

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trillm.gpu import SamplingOptions, WorkerConfig, _native
+from trillm.gpu import SamplingOptions, WorkerConfig, _cpu_decode, _native
 from trillm.gpu._cpu_decode import build_cpu_decode
 from trillm.gpu._default_model import default_model_dir
 from trillm.gpu._gguf_blocks import Q4_0, Q4_1, Q8_0
@@ -78,8 +78,9 @@ def _assert_bfloat16_close(tokens, eager_tokens, lp, eager_lp) -> None:  # type:
 
 
 def test_more_decodes_than_max_batch_run_onednn_linears_with_c_attention(
-    tiny_model_dir: Path,
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(_cpu_decode, "MAX_BATCH", 8)
     prompts = _prompts(10)
     runner, tokens, lp = _run(tiny_model_dir, prompts, 6)
     assert runner.cpu_decode is not None and runner.cpu_decode.max_batch == 8
@@ -275,7 +276,9 @@ def test_the_avx2_and_sse2_builds_compute_the_same(march: str, tmp_path: Path) -
     assert list(tmp_path.glob("kernels/cpu_decode-*.so"))  # built for that level, apart
 
 
-def test_a_head_dim_off_the_vector_width_takes_the_per_head_path(tmp_path: Path) -> None:
+def test_a_head_dim_off_the_vector_width_takes_the_per_head_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """head_dim 12: not a multiple of 16, so each query head attends alone (`attend`)."""
     import shutil
 
@@ -288,6 +291,7 @@ def test_a_head_dim_off_the_vector_width_takes_the_per_head_path(tmp_path: Path)
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(default_model_dir(progress=False) / name, tmp_path / name)
+    monkeypatch.setattr(_cpu_decode, "MAX_BATCH", 8)
     prompts = _prompts(10)
     runner, tokens, _ = _run(tmp_path, prompts, 5)
     assert runner.model_config.head_dim == 12

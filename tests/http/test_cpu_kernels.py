@@ -72,5 +72,5 @@ def test_bfloat16_serves_on_plain_linears_and_says_so(tiny_model: Path, tmp_path
     ]
     assert len(logged) == 1 and logged[0].startswith(
         f"trillm: kernels: bfloat16 on cpu, linears aten ({kernels['isa']}; {reason}), "
-        "attention torch, decode c (one call per step of up to 8 decodes; bfloat16 layers"
+        "attention torch, decode c (one call per step of up to 64 decodes; bfloat16 layers"
     )
