@@ -13,8 +13,8 @@ prompts) and there are at most `max_batch` (64) of them, on one rank, in float32
 dense or GGUF weights kept quantized (the same C tiles, `_tiles`). Larger decode steps run
 the torch forward with C's attention (`attention`); everything else (prefill, mixed steps,
 tensor parallel) runs the torch forward, whose dense linears stay packed for oneDNN: large
-GEMMs are its strength. The price is a second copy of the dense weights, in the tiled layout (logged at
-load). `--enforce-eager` turns it off, as it turns CUDA graphs off.
+GEMMs are its strength. The price, for dense weights, is a second copy in the tiled layout
+(logged at load). `--enforce-eager` turns it off, as it turns CUDA graphs off.
 """
 
 from __future__ import annotations
