@@ -93,10 +93,11 @@ class _LayerWeights:
 
 
 class CpuDecode:
-    """Tiled copies of a model's weights and the C step over them.
+    """The C step over a model's weights in tiles: the tiles a GGUF model's quantized
+    linears already keep (`TiledLinear`), or tiled copies of dense ones.
 
-    Built from the dense weights after loading and before `pack_linears` drops them; `bind`
-    points it at the KV cache (again after a sleep).
+    Built after loading and before `pack_linears` drops the dense weights; `bind` points it
+    at the KV cache (again after a sleep).
     """
 
     def __init__(self, model: LlamaForCausalLM, block_size: int, max_batch: int = MAX_BATCH):
@@ -111,6 +112,7 @@ class CpuDecode:
         self.model, self.dtype, self.max_batch = model, dtype, max_batch
         self.layers = [_layer_weights(layer) for layer in model.decoder_layers()]
         self.head = _tiles(model.lm_head.quantized_head, model.lm_head.weight)
+        self.head_linear = TiledLinear(self.head, cfg.vocab_size)
         self.final_norm = model.norm.weight.data.float().contiguous()
         self.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.desc = _Model(
@@ -235,22 +237,9 @@ class CpuDecode:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits through the tiled head (N <= max_batch),
         else the model's own head."""
-        n = hidden.shape[0]
-        if n > self.max_batch or n == 0:
+        if not 0 < hidden.shape[0] <= self.max_batch:
             return self.model.compute_logits(hidden)
-        x = hidden.float().contiguous()
-        vocab = self.model.config.vocab_size
-        logits = torch.empty(n, vocab, dtype=torch.float32)
-        self.lib.trillm_linear(
-            ctypes.c_void_p(self.head.data.data_ptr()),
-            self.head.kind,
-            x.shape[1],
-            vocab,
-            ctypes.c_void_p(x.data_ptr()),
-            n,
-            ctypes.c_void_p(logits.data_ptr()),
-            self.threads,
-        )
+        logits: torch.Tensor = self.head_linear(hidden.float())
         return logits
 
 

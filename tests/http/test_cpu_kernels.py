@@ -16,6 +16,8 @@ from pathlib import Path
 import httpx
 import openai
 
+from trillm.gpu._tiles import tiled_kernels
+
 from .conftest import start_server
 
 AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
@@ -72,5 +74,8 @@ def test_bfloat16_serves_on_plain_linears_and_says_so(tiny_model: Path, tmp_path
     ]
     assert len(logged) == 1 and logged[0].startswith(
         f"trillm: kernels: bfloat16 on cpu, linears aten ({kernels['isa']}; {reason}), "
-        "attention torch, decode c (one call per step of up to 64 decodes; bfloat16 layers"
+        "attention torch, decode "
+    )
+    assert (", decode c (one call per step of up to 64 decodes; bfloat16 layers" in logged[0]) == (
+        tiled_kernels() is not None
     )
