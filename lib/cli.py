@@ -56,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
         "triton (the paged kernel; on CPU through Triton's interpreter, for correctness only)",
     )
     serve.add_argument(
-        "--enforce-eager", action="store_true", help="no CUDA graphs: decode steps run eager"
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs, and on the CPU no C decode step: decode steps run the torch "
+        "forward eagerly",
     )
     serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     serve.add_argument(

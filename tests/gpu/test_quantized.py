@@ -408,10 +408,12 @@ def test_the_kernel_choice_reports_the_quantization(monkeypatch: pytest.MonkeyPa
 
 # -- the built-in SmolLM2 Q4_1 file -----------------------------------------------------------
 
-# Measured on AMD EPYC (AVX-512): the largest logit difference over every step compared was
-# 0.82 at |logits| up to 33 (the first step's: 0.41); 0.5-0.6 is what running the dequantised
-# model in bfloat16 costs, the same rounding the int4 kernel's activations take.
-LOGIT_TOL = 1.5
+# Measured on AMD EPYC (AVX-512), torch's int4 kernel (no C compiler): the largest logit
+# difference over every step compared was 0.82 at |logits| up to 33 (the first step's: 0.41);
+# 0.5-0.6 is what running the dequantised model in bfloat16 costs, the same rounding the int4
+# kernel's activations take. The C tiles compute in float32: 0.0002 over 8 prompts x 32
+# tokens, no prompt parting (this comparison run at 32 tokens), so 0.01 holds them.
+LOGIT_TOL = 1.5 if tiled_kernels() is None else 0.01
 NEW_TOKENS = 12
 
 
@@ -456,7 +458,7 @@ def test_smollm2_q4_1_logits_and_greedy_tokens_follow_the_dequantized_model(
                 top2 = ref[row].topk(2).values
                 assert (top2[0] - top2[1]).item() <= 2 * LOGIT_TOL, (step, row)
                 parted[row] = step
-    # Measured: none part in 12 tokens; in 32, 2 of 8 part, at steps 17 and 19, where the
+    # Measured (int4): none part in 12 tokens; in 32, 2 of 8 part, at steps 17 and 19, where the
     # dequantised model's top two logits were 0.068 and 0.028 apart (near ties).
     assert len(parted) <= len(prompts) // 2, parted
 
