@@ -3,14 +3,16 @@
 Runs a 128-token prompt and `--new-tokens` greedy decode steps through trillm's model runner
 (the built-in SmolLM2-135M, CPU) twice, interleaved run by run: with the C decode step
 (`lib/gpu/_cpu_decode.py`, the default) and with the torch forward (`--enforce-eager`); then
-each under the torch profiler. Prints:
+each under the torch profiler. With `--batch B` > 1 (B prompts decoding together) a third
+path runs too, `c_attention`: what decode steps above the C step's `MAX_BATCH` run (oneDNN's
+linears, C's attention). Prints:
 - each path's median decode step (ms) and the floor: the bytes one step must read (every
   linear weight once, and the LM head) over the machine's read bandwidth, a 1 GiB `torch.sum`
   measured in the same run (`model_bench.read_bandwidth`, the median of 7);
 - torch ops per step and the profiler's self time grouped: linears, attention, other (the C
   step is one call the profiler does not see into).
 
-    python perf/decode_profile.py [--dtype float32] [--new-tokens 32] [--json PATH]
+    python perf/decode_profile.py [--dtype float32] [--batch 1] [--new-tokens 32] [--json PATH]
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def load(args: argparse.Namespace, *, eager: bool) -> Worker:
         args.model or str(default_model_dir()),
         device="cpu",
         dtype=args.dtype,
-        max_num_seqs=8,
+        max_num_seqs=max(8, args.batch),
         quantization=args.quantization,
         cpu_linear=args.cpu_linear,
         enforce_eager=eager,
@@ -91,14 +93,21 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--batch", type=int, default=1, help="sequences decoding together")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     workers = {"c": load(args, eager=False), "torch": load(args, eager=True)}
-    if workers["c"].runner.cpu_decode is None:
+    decode = workers["c"].runner.cpu_decode
+    if decode is None:
         print(f"decode_profile: no C step here ({workers['c'].kernels.decode})")
         del workers["c"]
+    elif args.batch > 1:  # the path of batches above the C step's: oneDNN + C attention
+        workers["c_attention"] = load(args, eager=False)
+        attention_only = workers["c_attention"].runner.cpu_decode
+        assert attention_only is not None
+        attention_only.max_batch = 0  # (only lowered: its scratch is sized for the build's)
     vocab = workers["torch"].runner.model_config.vocab_size
-    batch = prompts(1, args.prompt_len, vocab)
+    batch = prompts(args.batch, args.prompt_len, vocab)
     steps: dict[str, list[float]] = {name: [] for name in workers}
     for worker in workers.values():
         trillm_run(worker, batch, 4)  # warm-up
@@ -132,9 +141,10 @@ def main() -> None:
               f"{r['torch_ops_per_step']:.0f} torch ops a step")  # fmt: skip
         for key, count, ms in r["top"]:
             print(f"    {key:40s} {count:7.1f}/step {ms:7.3f} ms/step")
-    if "c" in workers:
-        ratio = result["torch"]["decode_step_ms_median"] / result["c"]["decode_step_ms_median"]
-        print(f"the C step is {ratio:.2f}x faster than the torch forward")
+    for other in ("torch", "c_attention"):
+        if "c" in workers and other in workers:
+            ratio = result[other]["decode_step_ms_median"] / result["c"]["decode_step_ms_median"]
+            print(f"the C step is {ratio:.2f}x faster than {other}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
 

@@ -5,7 +5,11 @@ Runs a P-token prompt through trillm's model runner (the built-in SmolLM2-135M, 
 profiler's self time: oneDNN/MKL linears, attention (SDPA), everything else. The floor is the
 prompt's FLOPs over the machine's best fp32 matmul rate, as `compare.py` computes it.
 
-    python perf/prefill_profile.py [--prompt-len 128] [--repeats 7]
+    python perf/prefill_profile.py [--prompt-len 128] [--prompts 1] [--repeats 7] [--torch-silu]
+
+`--prompts N` prefills N prompts in one step (16 x 128 is a full 2048-token step);
+`--torch-silu` runs torch's SiLU(gate) * up instead of the C one-pass kernel
+(`lib/gpu/_cpu_ops.py`), to measure what that kernel saves.
 """
 
 from __future__ import annotations
@@ -30,15 +34,29 @@ ATTENTION = ("attention", "sdpa")
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--prompts", type=int, default=1)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--torch-silu", action="store_true")
     args = p.parse_args()
+    if args.torch_silu:
+        import torch.nn.functional as F
+
+        from trillm.gpu.models import llama
+
+        def torch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return F.silu(gate) * up
+
+        llama.silu_mul = torch_silu_mul
     model = default_model_dir()
-    worker = Worker(WorkerConfig(str(model), device="cpu", dtype="float32", max_num_seqs=8))
+    worker = Worker(
+        WorkerConfig(str(model), device="cpu", dtype="float32", max_num_seqs=max(8, args.prompts))
+    )
     worker.init_device()
     worker.load_model()
     worker.init_kv_cache(worker.num_available_kv_blocks())
     vocab = worker.runner.model_config.vocab_size
-    batch = prompts(1, args.prompt_len, vocab)
+    batch = prompts(args.prompts, args.prompt_len, vocab)
     trillm_run(worker, batch, 1)  # warm-up
     times = [trillm_run(worker, batch, 1)[0] * 1e3 for _ in range(args.repeats)]
     with profile() as prof:
@@ -55,8 +73,8 @@ def main() -> None:
             groups["other"] += ms
     config = json.loads((Path(model) / "config.json").read_text())
     rate = max(matmul_rates(torch.get_num_threads()).values())
-    floor = prompt_gflops(config, args.prompt_len) / rate * 1e3
-    print(f"{args.prompt_len}-token prefill, {args.repeats} runs: median "
+    floor = args.prompts * prompt_gflops(config, args.prompt_len) / rate * 1e3
+    print(f"{args.prompts} x {args.prompt_len}-token prefill, {args.repeats} runs: median "
           f"{statistics.median(times):.1f} ms, best {min(times):.1f} ms; "
           f"floor {floor:.1f} ms at {rate:.0f} GFLOP/s")  # fmt: skip
     print("profiled (self CPU time per prefill, the profiler adds its own): " + ", ".join(

@@ -1,12 +1,12 @@
 """The CPU decode step in one C call (`csrc/cpu_decode.c`): the CPU's answer to CUDA graphs.
 
-Why: a batch-1 decode step of SmolLM2-135M in float32 must read 538 MB of weights, about
-11 ms at this class of machine's 45-50 GB/s; the torch forward took 19 ms. Measured on the
-2-core AVX-512 CI machine (`perf/decode_profile.py`): oneDNN's packed linears ran at 40 GB/s
-at M = 1, the ~5,000 torch ops around them (norms, rotary, gathers, SDPA, views) cost 3 ms,
-and each of the 121 linears woke OpenMP's second thread again. Here every decoder layer runs
-inside one OpenMP region, over weights laid out for a matrix-vector product (16-row tiles,
-k-major), with the KV write and paged attention in the same pass.
+Why: a batch-1 decode step of SmolLM2-135M in float32 must read 538 MB of weights. On the
+2-core AVX-512 CI machine the torch forward issued 4,972 torch ops a step (norms, rotary,
+gathers, SDPA, views, and the 121 linears, each its own OpenMP region) and took 15.75 ms;
+this step takes 8.24 ms, reading the weights at 65 GB/s (`perf/decode_profile.py`, both
+interleaved in one run). Here every decoder layer runs inside one OpenMP region, over
+weights laid out for a matrix-vector product (16-row tiles, k-major), with the KV write and
+paged attention in the same pass.
 
 What it covers: steps in which every sequence brings one token (decodes, and one-token
 prompts) and there are at most `max_batch` (64) of them, on one rank, in float32 or bfloat16,
@@ -35,7 +35,8 @@ from .models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
 
 MAX_GROUP = 16  # query heads per kv head (csrc: MAX_GROUP)
 # Up to this many decodes the C step beat the torch forward with C attention (oneDNN's
-# linears): 19.2 / 22.1 ms at 8, 36.9 / 40.9 at 32, 62.3 / 69.1 at 64 (SmolLM2 fp32, 2 cores).
+# linears): 16.0 / 19.7 ms at 8, 37.4 / 44.1 at 32, 63.4 / 73.1 at 64 (SmolLM2 fp32, 2 cores;
+# `perf/decode_profile.py --batch B`).
 MAX_BATCH = 64
 
 
@@ -188,6 +189,8 @@ class CpuDecode:
         into the bound KV cache. `block_table` [M, width] int32 (C order) lists each
         sequence's blocks."""
         m = len(positions)
+        if m > self.hidden.shape[0]:  # the scratch was sized for the build's max_batch
+            raise ValueError(f"{m} decodes, more than the {self.hidden.shape[0]} built for")
         self.num_runs += 1
         hidden = self.hidden[:m]
         hidden.copy_(self.model.embed_tokens(input_ids))
@@ -220,8 +223,8 @@ class CpuDecode:
     ) -> DecodeAttention:
         """For a decode step too large for `run`: the torch forward with oneDNN's linears
         and C's attention in each layer, which reads the KV blocks in place where the torch
-        path gathered them and ran SDPA (measured at 32 decodes of SmolLM2: rotary, gathers
-        and SDPA took 20 of the step's 50 ms; C's attention 9)."""
+        path gathered them and ran SDPA (at 32 decodes of SmolLM2: 44.1 ms against the plain
+        torch forward's 51.4, `perf/decode_profile.py --batch 32`)."""
         self.num_attention_steps += 1
         half = self.model.config.head_dim // 2
         rotary = self.model.rotary

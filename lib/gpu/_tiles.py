@@ -16,9 +16,10 @@ arithmetic, to float32 rounding.
 
 `TiledLinear` runs a tiled weight for any batch: the torch forward calls it for GGUF weights
 kept quantized (`--quantization gguf`), and the C decode step reads the same tiles, so the
-weights are in memory once. Measured on SmolLM2-135M's Q4_1 linears (2 threads, AVX-512), C
-tiles against torch's `_weight_int4pack_mm_for_cpu` (bfloat16 activations): 5.8 / 7.2 ms at
-8 tokens, 69 / 83 ms at 128, 275 / 320 ms at 512 (`perf/linear_bench.py --tiled`).
+weights are in memory once. Measured on SmolLM2-135M-shaped Q4_1 linears (2 threads,
+AVX-512), C tiles against torch's `_weight_int4pack_mm_for_cpu` (bfloat16 activations):
+2.30 / 3.30 ms at 1 token, 6.01 / 6.61 at 8, 67.2 / 80.4 at 128, 275 / 327 at 512
+(`perf/linear_bench.py --tiled`).
 """
 
 from __future__ import annotations

@@ -241,7 +241,9 @@ def test_engine_death_ends_streams_with_the_cause_and_turns_health_503(tiny_mode
 def test_overload_is_refused_at_once_and_stream_interval_groups_tokens(tiny_model: Path) -> None:
     server = start_server(tiny_model, "--max-queued-requests", "1", "--stream-interval", "4")
     try:
-        body = {"prompt": "x", "max_tokens": 30, "stream": True, "ignore_eos": True}
+        # long enough to be running when the second request comes: the tiny model's C decode
+        # step streams 30 tokens in a few ms, faster than a second request can be sent
+        body = {"prompt": "x", "max_tokens": 480, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
             next(lines)
@@ -249,7 +251,7 @@ def test_overload_is_refused_at_once_and_stream_interval_groups_tokens(tiny_mode
             assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
             chunks = [json.loads(x[6:]) for x in [*lines] if x.startswith("data: {")]
         texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
-        assert len(texts) <= 30 // 4 + 2  # at least 4 tokens per chunk, but the last
+        assert len(texts) <= 480 // 4 + 2  # at least 4 tokens per chunk, but the last
         ok = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "y", "max_tokens": 2})
         assert ok.status_code == 200  # served once the first finished
     finally:
