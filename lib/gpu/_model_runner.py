@@ -269,7 +269,7 @@ class ModelRunner:
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of the step's tokens: a graph replay (CUDA) or one C call (CPU, up to
-        8) for decodes, else eager (on CPU, decodes with C's attention)."""
+        64) for decodes, else eager (on CPU, larger decode steps with C's attention)."""
         assert self.model is not None
         graphs = self.graphs
         num_seqs = len(inputs.rows)
