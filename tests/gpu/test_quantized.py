@@ -411,8 +411,8 @@ def test_the_kernel_choice_reports_the_quantization(monkeypatch: pytest.MonkeyPa
 # Measured on AMD EPYC (AVX-512), torch's int4 kernel (no C compiler): the largest logit
 # difference over every step compared was 0.82 at |logits| up to 33 (the first step's: 0.41);
 # 0.5-0.6 is what running the dequantised model in bfloat16 costs, the same rounding the int4
-# kernel's activations take. The C tiles compute in float32: 0.0002 over 8 prompts x 32
-# tokens, no prompt parting (this comparison run at 32 tokens), so 0.01 holds them.
+# kernel's activations take. The C tiles compute in float32: 0.00015 over 8 prompts x 32
+# tokens, no prompt parting (`perf/quant_logits.py`), so 0.01 holds them.
 LOGIT_TOL = 1.5 if tiled_kernels() is None else 0.01
 NEW_TOKENS = 12
 
