@@ -39,10 +39,10 @@ def main() -> None:
         for q in QUESTIONS
     ]
     kw = dict(num_blocks=512, block_size=16, max_num_seqs=16)
-    runs = {
-        setting: greedy_and_logits(make_runner(gguf, quantization=setting, **kw), prompts, args.new_tokens)
-        for setting in ("none", "gguf")
-    }  # fmt: skip
+    runs = {}
+    for setting in ("none", "gguf"):
+        runner = make_runner(gguf, quantization=setting, **kw)
+        runs[setting] = greedy_and_logits(runner, prompts, args.new_tokens)
     (dense_tokens, dense_logits), (tokens, logits) = runs["none"], runs["gguf"]
     worst, parted = 0.0, {}
     for step, (ref, ours) in enumerate(zip(dense_logits, logits, strict=True)):
