@@ -63,7 +63,8 @@ def load(name: str) -> ctypes.CDLL:
         )
     flags = (*FLAGS, f"-march={os.environ.get('TRILLM_CPU_MARCH') or 'native'}")
     key = hashlib.sha256()
-    key.update(source.read_bytes())
+    for part in [*sorted(CSRC.glob("*.h")), source]:  # the headers it includes, and itself
+        key.update(part.read_bytes())
     key.update(_compiler_version(compiler).encode())
     key.update(" ".join(flags).encode())
     key.update(_cpu_flags().encode())

@@ -1,0 +1,224 @@
+/* trillm C kernels: rotary, the KV cache and paged attention for decode tokens. */
+#ifndef TL_ATTENTION_H
+#define TL_ATTENTION_H
+
+#include "tl_vec.h"
+
+/* Rotate-half RoPE of one head: out[i] = x[i] cos[i] + x[i +- D/2] (-+ sin[i]). */
+static void rotate(const float *x, const float *cos_, const float *sin_, int D, float *out) {
+    int h = D / 2;
+    for (int i = 0; i < h; i++) {
+        out[i] = x[i] * cos_[i] - x[i + h] * sin_[i];
+        out[i + h] = x[i + h] * cos_[i] + x[i] * sin_[i];
+    }
+}
+
+/* Key or value `j` of kv head `g` from the cache, as float32 into `buf` (or in place). */
+static inline const float *cache_row(const void *cache, int ctype, const int32_t *table, int j,
+                                     int B, int Hkv, int g, int D, float *buf) {
+    size_t off = ((size_t)table[j / B] * B + (size_t)(j % B)) * Hkv * D + (size_t)g * D;
+    if (ctype == TL_F32) return (const float *)cache + off;
+    const uint16_t *h = (const uint16_t *)cache + off;
+    for (int i = 0; i < D; i++) buf[i] = bf16_to_f32(h[i]);
+    return buf;
+}
+
+static void cache_store(void *cache, int ctype, int64_t slot, int Hkv, int g, int D,
+                        const float *x) {
+    size_t off = (size_t)slot * Hkv * D + (size_t)g * D;
+    if (ctype == TL_F32) {
+        memcpy((float *)cache + off, x, sizeof(float) * (size_t)D);
+        return;
+    }
+    uint16_t *h = (uint16_t *)cache + off;
+    for (int i = 0; i < D; i++) h[i] = f32_to_bf16(x[i]);
+}
+
+/* One query head against its sequence's `ctx - 1` cached keys and the new key (k, v):
+ * online softmax over chunks of 64 keys. `work`: 64 + 2 * D floats. */
+static void attend(const float *q, const float *k, const float *v, const void *kc,
+                   const void *vc, int ctype, const int32_t *table, int ctx, int B, int Hkv,
+                   int g, int D, float scale, float *out, float *work) {
+    float *scores = work, *kbuf = work + 64, *vbuf = work + 64 + D;
+    float run_max = -INFINITY, run_sum = 0.0f;
+    for (int i = 0; i < D; i++) out[i] = 0.0f;
+    for (int j0 = 0; j0 < ctx; j0 += 64) {
+        int n = ctx - j0 < 64 ? ctx - j0 : 64;
+        float chunk_max = -INFINITY;
+        for (int c = 0; c < n; c++) {
+            int j = j0 + c;
+            const float *key = j == ctx - 1 ? k : cache_row(kc, ctype, table, j, B, Hkv, g, D, kbuf);
+            scores[c] = dot(q, key, D) * scale;
+            chunk_max = scores[c] > chunk_max ? scores[c] : chunk_max;
+        }
+        float new_max = chunk_max > run_max ? chunk_max : run_max;
+        float rescale = expf(run_max - new_max);
+        run_sum *= rescale;
+        for (int i = 0; i < D; i++) out[i] *= rescale;
+        for (int c = 0; c < n; c += 16) {
+            f32x16 p = exp16(load_f32(scores + c) - new_max);
+            memcpy(scores + c, &p, sizeof p);
+        }
+        for (int c = 0; c < n; c++) {
+            int j = j0 + c;
+            float p = scores[c];
+            run_sum += p;
+            const float *val = j == ctx - 1 ? v : cache_row(vc, ctype, table, j, B, Hkv, g, D, vbuf);
+            for (int i = 0; i < D; i++) out[i] += p * val[i];
+        }
+        run_max = new_max;
+    }
+    float inv = 1.0f / run_sum;
+    for (int i = 0; i < D; i++) out[i] *= inv;
+}
+
+#define MAX_GROUP 16 /* query heads per kv head the grouped path takes (Python checks) */
+#define WORK_FLOATS(D) (64 + (5 + 2 * 16 + MAX_GROUP) * (D)) /* a thread's attention work */
+
+/* r[c] = the sum of v[c]'s lanes, for 16 vectors: a tree of 15 shuffle-adds instead of 16
+ * horizontal sums. After level k each vector holds 16 >> k partial sums of 2^k inputs. */
+static inline f32x16 reduce16(const f32x16 *v) {
+    f32x16 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
+                                       18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15,
+                                       24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
+                                       18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20,
+                                       21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17,
+                                       20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18,
+                                       19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
+                                   26, 28, 30) +
+           __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25,
+                                   27, 29, 31);
+}
+
+/* The `group` query heads `q` [group][D] of one kv head against its sequence's `ctx - 1`
+ * cached keys and the new key (k, v), 16 keys at a time: each key is read once for the
+ * whole group, its 16 scores come out of one `reduce16`, online softmax per head. D % 16 ==
+ * 0. `out` [group][D]; `work`: WORK_FLOATS(D). */
+static void attend_group(const float *q, int group, const float *k, const float *v,
+                         const void *kc, const void *vc, int ctype, const int32_t *table,
+                         int ctx, int B, int Hkv, int g, int D, float scale, float *out,
+                         float *work) {
+    float *kbuf = work, *vbuf = work + 16 * D, *zeros = work + 32 * D;
+    float run_max[MAX_GROUP], run_sum[MAX_GROUP];
+    for (int hh = 0; hh < group; hh++) {
+        run_max[hh] = -INFINITY;
+        run_sum[hh] = 0.0f;
+    }
+    memset(out, 0, sizeof(float) * (size_t)group * D);
+    memset(zeros, 0, sizeof(float) * (size_t)D);
+    const size_t row = (size_t)Hkv * D;
+    for (int j0 = 0; j0 < ctx; j0 += 16) {
+        int n = ctx - j0 < 16 ? ctx - j0 : 16;
+        const float *kp[16], *vp[16];
+        for (int c = 0; c < 16; c++) { /* keys past the context read zeros, weigh 0 */
+            int j = j0 + c;
+            if (c >= n) {
+                kp[c] = vp[c] = zeros;
+            } else if (j == ctx - 1) {
+                kp[c] = k;
+                vp[c] = v;
+            } else {
+                size_t off = ((size_t)table[j / B] * B + (size_t)(j % B)) * row + (size_t)g * D;
+                if (ctype == TL_F32) {
+                    kp[c] = (const float *)kc + off;
+                    vp[c] = (const float *)vc + off;
+                } else {
+                    const uint16_t *kh = (const uint16_t *)kc + off;
+                    const uint16_t *vh = (const uint16_t *)vc + off;
+                    for (int i = 0; i < D; i += 16) {
+                        f32x16 kv = load_bf16(kh + i), vv = load_bf16(vh + i);
+                        memcpy(kbuf + c * D + i, &kv, sizeof kv);
+                        memcpy(vbuf + c * D + i, &vv, sizeof vv);
+                    }
+                    kp[c] = kbuf + c * D;
+                    vp[c] = vbuf + c * D;
+                }
+            }
+        }
+        const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        const i32x16 valid = lane < n;
+        for (int hh = 0; hh < group; hh++) {
+            const float *qh = q + (size_t)hh * D;
+            f32x16 acc[16];
+            for (int c = 0; c < 16; c++) acc[c] = (f32x16){0};
+            for (int i = 0; i < D; i += 16) {
+                f32x16 qv = load_f32(qh + i);
+                for (int c = 0; c < 16; c++) acc[c] += qv * load_f32(kp[c] + i);
+            }
+            f32x16 scores = reduce16(acc) * scale;
+            const f32x16 minus_inf = (f32x16){0} - INFINITY;
+            scores = (f32x16)(((i32x16)scores & valid) | ((i32x16)minus_inf & ~valid));
+            float chunk_max = -INFINITY;
+            for (int c = 0; c < 16; c++) chunk_max = scores[c] > chunk_max ? scores[c] : chunk_max;
+            float new_max = chunk_max > run_max[hh] ? chunk_max : run_max[hh];
+            float rescale = expf(run_max[hh] - new_max);
+            f32x16 p = (f32x16)((i32x16)exp16(scores - new_max) & valid);
+            run_sum[hh] = run_sum[hh] * rescale + hsum(p);
+            float *oh = out + (size_t)hh * D;
+            for (int i = 0; i < D; i += 16) {
+                f32x16 o = load_f32(oh + i) * rescale;
+                for (int c = 0; c < 16; c++) o += p[c] * load_f32(vp[c] + i);
+                memcpy(oh + i, &o, sizeof o);
+            }
+            run_max[hh] = new_max;
+        }
+    }
+    for (int hh = 0; hh < group; hh++) {
+        float inv = 1.0f / run_sum[hh];
+        for (int i = 0; i < D; i++) out[(size_t)hh * D + i] *= inv;
+    }
+}
+
+/* The attention of tasks [t0, t1) of `num_attention_tasks`: rotate the queries and the
+ * new key (`cos_`/`sin_` rows of `rope_stride`, the first head_dim / 2 used), store the new
+ * K/V at the token's slot, attend over the cache and the new key. With head_dim % 16 == 0 a
+ * task is a token's kv head and its query group (`attend_group`), else a token's query head
+ * (`attend`). `qkv` [M, q + 2 kv], `out` [M, q]; `work`: WORK_FLOATS(head_dim). */
+static void attention_tasks(const struct tl_model *md, void *k_cache, void *v_cache,
+                            const float *qkv, const float *cos_, const float *sin_,
+                            int rope_stride, const int64_t *slots, const int32_t *tables,
+                            int table_stride, const int32_t *context_lens, float *out, int t0,
+                            int t1, float *work) {
+    const int D = md->head_dim, NH = md->num_heads, NKV = md->num_kv_heads, group = NH / NKV;
+    const int Q = NH * D, KV = NKV * D, NQKV = Q + 2 * KV, grouped = D % 16 == 0;
+    float *attn_work = work + (4 + MAX_GROUP) * D, *qrot = work, *krot = work + MAX_GROUP * D;
+    for (int task = t0; task < t1; task++) {
+        int per = grouped ? NKV : NH, m = task / per;
+        int g = grouped ? task % per : (task % per) / group, h0 = grouped ? g * group : task % per;
+        int heads = grouped ? group : 1;
+        const float *row = qkv + (size_t)m * NQKV;
+        const float *c = cos_ + (size_t)m * rope_stride, *s = sin_ + (size_t)m * rope_stride;
+        const float *v = row + Q + KV + (size_t)g * D;
+        for (int hh = 0; hh < heads; hh++)
+            rotate(row + (size_t)(h0 + hh) * D, c, s, D, qrot + (size_t)hh * D);
+        rotate(row + Q + (size_t)g * D, c, s, D, krot);
+        if (h0 % group == 0) {
+            cache_store(k_cache, md->cache_type, slots[m], NKV, g, D, krot);
+            cache_store(v_cache, md->cache_type, slots[m], NKV, g, D, v);
+        }
+        const int32_t *table = tables + (size_t)m * table_stride;
+        float *o = out + (size_t)m * Q + (size_t)h0 * D;
+        if (grouped)
+            attend_group(qrot, group, krot, v, k_cache, v_cache, md->cache_type, table,
+                         context_lens[m], md->block_size, NKV, g, D, md->scale, o, attn_work);
+        else
+            attend(qrot, krot, v, k_cache, v_cache, md->cache_type, table, context_lens[m],
+                   md->block_size, NKV, g, D, md->scale, o, attn_work);
+    }
+}
+
+static int num_attention_tasks(const struct tl_model *md, int M) {
+    return M * (md->head_dim % 16 == 0 ? md->num_kv_heads : md->num_heads);
+}
+
+#endif

@@ -1,0 +1,161 @@
+/* trillm C kernels: vector types, loads and the scalar helpers every kernel shares. */
+#ifndef TL_VEC_H
+#define TL_VEC_H
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+
+#ifdef __AVX512F__
+#define MAX_ROWS 8 /* tokens per register block: 16 accumulators of 32 registers */
+#else
+#define MAX_ROWS 4 /* AVX2: each f32x16 is two of 16 registers */
+#endif
+
+enum { TL_F32 = 0, TL_BF16 = 1, TL_Q4 = 2, TL_Q8 = 3 };
+#define Q4_GROUP 320 /* bytes of a Q4 tile's 32-k group: d[16], m[16] float16, 256 of nibbles */
+#define Q8_GROUP 544 /* bytes of a Q8 tile's 32-k group: d[16] float16, 32 x 16 int8 */
+
+/* One decoder layer; weights tiled (see above) of the types `tqkv`..., norms and biases
+ * float32. */
+struct tl_layer {
+    const float *ln1, *ln2;
+    const void *wqkv, *wo, *wgu, *wd;
+    const float *bqkv, *bo; /* NULL when the model has none */
+    void *k_cache, *v_cache; /* [blocks, block_size, kv_heads, head_dim], cache_type */
+    int32_t tqkv, to, tgu, td;
+};
+
+struct tl_model {
+    int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+    int32_t cache_type;
+    float eps, scale;
+    const float *inv_freq; /* [head_dim / 2] */
+};
+
+static inline f32x16 load_f32(const float *p) {
+    f32x16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline f32x16 load_bf16(const uint16_t *p) {
+    u16x16 h;
+    memcpy(&h, p, sizeof h);
+    u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+    f32x16 v;
+    memcpy(&v, &w, sizeof v);
+    return v;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t w = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float hsum(f32x16 v) {
+    float s = 0.0f;
+    for (int i = 0; i < 16; i++) s += v[i];
+    return s;
+}
+
+/* exp over 16 lanes (Cephes' expf: 2^n * (1 + r + r^2 P(r)), |r| <= ln2 / 2; ~1 ulp). */
+static inline f32x16 exp16(f32x16 x) {
+    const f32x16 hi = (f32x16){0} + 88.3762626647949f, lo = (f32x16){0} - 87.3365447504019f;
+    i32x16 over = x > hi, under = x < lo;
+    x = (f32x16)(((i32x16)x & ~over) | ((i32x16)hi & over));
+    x = (f32x16)(((i32x16)x & ~under) | ((i32x16)lo & under));
+    const f32x16 magic = (f32x16){0} + 12582912.0f; /* 1.5 * 2^23: adding it rounds */
+    f32x16 t = x * 1.44269504088896341f + magic;
+    i32x16 n = (i32x16)t - (i32x16)magic;
+    f32x16 nf = t - magic;
+    f32x16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+    f32x16 p = (f32x16){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (f32x16)((n + 127) << 23);
+}
+
+static inline float dot(const float *a, const float *b, int D) {
+    f32x16 acc = {0};
+    int i = 0;
+    for (; i + 16 <= D; i += 16) acc += load_f32(a + i) * load_f32(b + i);
+    float s = hsum(acc);
+    for (; i < D; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline f32x16 load_f16(const uint16_t *p) {
+    f32x16 v;
+#if defined(__AVX512F__)
+    __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    memcpy(&v, &w, sizeof v);
+#elif defined(__F16C__)
+    __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+    memcpy(&v, &lo, sizeof lo);
+    memcpy((char *)&v + sizeof lo, &hi, sizeof hi);
+#else
+    for (int i = 0; i < 16; i++) { /* IEEE half -> float, subnormals included */
+        uint32_t h = p[i], sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+        float f;
+        if (exp == 0) {
+            f = ldexpf((float)man, -24);
+        } else if (exp == 31) {
+            f = man ? NAN : INFINITY;
+        } else {
+            uint32_t bits = ((exp + 112) << 23) | (man << 13);
+            memcpy(&f, &bits, sizeof f);
+        }
+        uint32_t bits;
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+        memcpy(&f, &bits, sizeof f);
+        v[i] = f;
+    }
+#endif
+    return v;
+}
+
+static inline f32x16 u8_to_f32(u8x16 b) {
+    return __builtin_convertvector(__builtin_convertvector(b, i32x16), f32x16);
+}
+
+/* Through the unsigned widening (GCC scalarises a signed i8 -> i32 vector conversion):
+ * q = (q ^ 0x80) - 128. */
+static inline f32x16 i8_to_f32(i8x16 b) {
+    return u8_to_f32((u8x16)b ^ 0x80) - 128.0f;
+}
+
+static void rms_norm(const float *x, const float *weight, int H, float eps, float *out) {
+    float inv = 1.0f / sqrtf(dot(x, x, H) / (float)H + eps);
+    for (int i = 0; i < H; i++) out[i] = weight[i] * (x[i] * inv);
+}
+
+#endif
