@@ -57,7 +57,7 @@ def tiled_main(args: argparse.Namespace) -> None:
     if tiled_kernels() is None:
         raise SystemExit("linear_bench: the C kernels do not build here (no C compiler?)")
     weights = [[torch.randn(n, k) * 0.05 for k, n in SHAPES] for _ in range(LAYERS)]
-    q4 = [[q4_1_blocks(w) for w in layer] for layer in weights]
+    q4 = [[gguf_blocks(w) for w in layer] for layer in weights]
     kernels: dict[str, list[list[Callable[[torch.Tensor], torch.Tensor]]]] = {
         "onednn_f32": [
             [partial(packed_linear, packed=pack_weight(w), bias=None) for w in layer]
@@ -83,15 +83,14 @@ def _call(x: torch.Tensor, linear: Callable[[torch.Tensor], torch.Tensor]) -> to
     return linear(x)
 
 
-def q4_1_blocks(w: torch.Tensor) -> QuantizedTensor:
-    """`w` quantized to GGUF Q4_1 blocks (gguf's own quantizer)."""
+def gguf_blocks(w: torch.Tensor, qtype: int = Q4_1) -> QuantizedTensor:
+    """`w` quantized to GGUF blocks of `qtype` (gguf's own quantizer)."""
     import gguf
 
-    raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1)
+    raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType(qtype))
     n, k = w.shape
-    return QuantizedTensor(
-        Q4_1, torch.from_numpy(raw.reshape(n, k // 32, BLOCK_BYTES[Q4_1]).copy())
-    )
+    blocks = torch.from_numpy(raw.reshape(n, k // 32, BLOCK_BYTES[qtype]).copy())
+    return QuantizedTensor(qtype, blocks)
 
 
 def main() -> None:

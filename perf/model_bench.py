@@ -130,19 +130,17 @@ def kernel_candidates(n: int, k: int, m: int) -> dict[str, Any]:
 def c_tile_candidates(w: torch.Tensor, x: torch.Tensor) -> dict[str, Any]:
     """trillm's C tiles (`lib/gpu/_tiles.py`): float32, and the weight as Q4_1 and Q8_0
     blocks (float32 activations); none where the C kernels do not build here."""
-    import gguf
+    from linear_bench import gguf_blocks
 
-    from trillm.gpu._gguf_blocks import BLOCK_BYTES, Q4_1, Q8_0, QuantizedTensor
+    from trillm.gpu._gguf_blocks import Q4_1, Q8_0
     from trillm.gpu._tiles import TiledLinear, dense_tiles, quantized_tiles, tiled_kernels
 
     if tiled_kernels() is None:
         return {}
-    n, k = w.shape
+    n = w.shape[0]
     calls = {"c_f32": TiledLinear(dense_tiles(w), n)}
     for name, qtype in (("c_q4_1", Q4_1), ("c_q8_0", Q8_0)):
-        raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType(qtype))
-        blocks = torch.from_numpy(raw.reshape(n, k // 32, BLOCK_BYTES[qtype]).copy())
-        calls[name] = TiledLinear(quantized_tiles([QuantizedTensor(qtype, blocks)]), n)
+        calls[name] = TiledLinear(quantized_tiles([gguf_blocks(w, qtype)]), n)
     return {name: (lambda linear=linear: linear(x)) for name, linear in calls.items()}
 
 

@@ -14,14 +14,11 @@ import argparse
 import sys
 from pathlib import Path
 
-import transformers
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.gpu.conftest import make_runner
-from tests.gpu.test_quantized import greedy_and_logits
-from tests.gpu.test_smollm2 import QUESTIONS
-from trillm.gpu._default_model import default_model_dir, find_default_gguf
+from tests.gpu.test_quantized import chat_prompts, greedy_and_logits
+from trillm.gpu._default_model import find_default_gguf
 
 
 def main() -> None:
@@ -29,15 +26,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     args = p.parse_args()
     gguf = find_default_gguf()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir(progress=False))
-    prompts = [
-        tokenizer(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
-            )
-        )["input_ids"]
-        for q in QUESTIONS
-    ]
+    prompts = chat_prompts()
     kw = dict(num_blocks=512, block_size=16, max_num_seqs=16)
     runs = {}
     for setting in ("none", "gguf"):

@@ -13,6 +13,7 @@ step's metadata from numpy arrays once, and each layer calls `metadata.attend(..
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -38,15 +39,16 @@ class StepAttention(Protocol):
         ...
 
 
-class QkvAttention:
+class QkvAttention(abc.ABC):
     """A step's attention that takes the qkv projection whole: rotary, the KV write and the
-    attention in one call per layer (`_cpu_decode.DecodeAttention`, in C)."""
+    attention in one call per layer (`_cpu_decode.DecodeAttention`, in C). A base class, not
+    a Protocol: the layer tells it from a `StepAttention` with one isinstance check."""
 
+    @abc.abstractmethod
     def attend_qkv(
         self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
         """qkv [T, (H + 2 Hkv) D] -> the attention output [T, H D]."""
-        raise NotImplementedError
 
 
 class AttentionBackend(Protocol):

@@ -417,6 +417,19 @@ LOGIT_TOL = 1.5 if tiled_kernels() is None else 0.01
 NEW_TOKENS = 12
 
 
+def chat_prompts() -> list[list[int]]:
+    """test_smollm2's questions as chat turns, in SmolLM2's token ids."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir(progress=False))
+    return [
+        tokenizer(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+            )
+        )["input_ids"]
+        for q in QUESTIONS
+    ]
+
+
 @pytest.fixture(scope="module")
 def smollm2_gguf() -> Path:
     try:
@@ -431,15 +444,7 @@ def test_smollm2_q4_1_logits_and_greedy_tokens_follow_the_dequantized_model(
 ) -> None:
     """Logits within LOGIT_TOL at every step until the greedy tokens part, and they part
     only where the dequantised model's top two logits are within 2 LOGIT_TOL of each other."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir(progress=False))
-    prompts = [
-        tokenizer(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
-            )
-        )["input_ids"]
-        for q in QUESTIONS
-    ]
+    prompts = chat_prompts()
     kw: dict[str, Any] = dict(num_blocks=256, block_size=16)
     dense_tokens, dense_logits = greedy_and_logits(
         make_runner(smollm2_gguf, quantization="none", **kw), prompts, NEW_TOKENS
