@@ -45,10 +45,16 @@ def health(server: Served) -> int:
 
 
 async def wait_restarted(server: Served, dead: int, timeout: float = 120) -> int:
-    """The new engine's pid, once /health is 200 again on an engine other than `dead`."""
+    """The new engine's pid, once /health is 200 again on an engine other than `dead`.
+
+    The children are read before /health is asked: a 200 answered before the frontend saw the
+    death, read after it had spawned the new engine, would hand back an engine still starting.
+    The frontend spawns a new engine only once it is restarting, so /health is 503 until that
+    engine serves."""
 
     def serving_again() -> bool:
-        return health(server) == 200 and any(pid != dead for pid in children(server.pid))
+        engines = children(server.pid)
+        return any(pid != dead for pid in engines) and health(server) == 200
 
     await trio.to_thread.run_sync(lambda: wait_for(serving_again, timeout, "a restarted engine"))
     new = server.engine_pid()

@@ -100,7 +100,7 @@ def test_c_tiles_give_the_dequantized_weight_exactly(qtype: Q) -> None:
     torch.testing.assert_close(linear(torch.eye(96)).T, weight.dequantize(), rtol=0, atol=0)
     x = torch.randn(7, 96, generator=torch.Generator().manual_seed(1))
     expected = F.linear(x, torch.from_numpy(reference))
-    torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-4)
     assert linear(x.bfloat16()).dtype == torch.bfloat16
 
 
@@ -113,7 +113,7 @@ def test_c_tiles_merge_parts_pad_a_shard_and_interleave_gate_up() -> None:
     out = merged(x)
     assert out.shape == (3, 56) and torch.equal(out[:, 48:], torch.zeros(3, 8))
     expected = F.linear(x, torch.from_numpy(np.concatenate([q_ref, k_ref])))
-    torch.testing.assert_close(out[:, :48], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[:, :48], expected, rtol=1e-5, atol=1e-4)
     gate_up = pack_quantized([q, quantized(Q.Q4_1, 32, 64, seed=3)[0]], interleaved=True)
     plain = pack_quantized([q, quantized(Q.Q4_1, 32, 64, seed=3)[0]])
     assert isinstance(gate_up, TiledLinear) and gate_up.interleaved
