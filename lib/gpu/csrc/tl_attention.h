@@ -116,10 +116,21 @@ static void attend_group(const float *q, int group, const float *k, const float 
     }
     memset(out, 0, sizeof(float) * (size_t)group * D);
     memset(zeros, 0, sizeof(float) * (size_t)D);
-    const size_t row = (size_t)Hkv * D;
+    const size_t row = (size_t)Hkv * D, esize = ctype == TL_F32 ? 4 : 2;
     for (int j0 = 0; j0 < ctx; j0 += 16) {
         int n = ctx - j0 < 16 ? ctx - j0 : 16;
         const float *kp[16], *vp[16];
+        /* The next 16 keys' and values' rows, fetched while these are used: a row of head g
+         * is D elements of every Hkv * D, so the hardware's stream prefetch does not see it
+         * (measured: perf/README.md, decode_profile.py --batch 32). */
+        for (int j = j0 + 16; j < j0 + 32 && j < ctx - 1; j++) {
+            size_t at = ((size_t)table[j / B] * B + (size_t)(j % B)) * row + (size_t)g * D;
+            size_t off = at * esize;
+            for (size_t b = 0; b < (size_t)D * esize; b += 64) {
+                __builtin_prefetch((const char *)kc + off + b, 0, 3);
+                __builtin_prefetch((const char *)vc + off + b, 0, 3);
+            }
+        }
         for (int c = 0; c < 16; c++) { /* keys past the context read zeros, weigh 0 */
             int j = j0 + c;
             if (c >= n) {

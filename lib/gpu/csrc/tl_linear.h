@@ -52,13 +52,17 @@ DEFINE_TILE_DOTS(bf16, uint16_t, load_bf16)
 
 /* Two adjacent tiles against ROWS tokens: each x[k] broadcast feeds both tiles' FMAs, so
  * at 8 tokens 16 FMAs cost 10 loads instead of 18 (the larger decode batches are FMA-bound).
- * acc0 = tile w0, acc1 = tile w1. */
+ * acc0 = tile w0, acc1 = tile w1. `pf`: the same k of the next pair (2 * K * 16 elements
+ * on), fetched as it goes (see `pair_dot`), or w0 itself. */
 #define DEFINE_PAIR_DOT(NAME, WT, LOAD, ROWS)                                                 \
     static inline void NAME(const WT *w0, const WT *w1, int K, const float *x, int ldx,     \
-                            f32x16 *acc0, f32x16 *acc1) {                                    \
+                            f32x16 *acc0, f32x16 *acc1, const WT *pf) {                      \
         f32x16 a[ROWS], b[ROWS];                                                              \
+        const size_t pf1 = pf == w0 ? 0 : (size_t)K * 16;                                     \
         for (int i = 0; i < ROWS; i++) a[i] = b[i] = (f32x16){0};                             \
         for (int k = 0; k < K; k++) {                                                         \
+            __builtin_prefetch(pf + (size_t)k * 16, 0, 3);                                    \
+            __builtin_prefetch(pf + pf1 + (size_t)k * 16, 0, 3);                              \
             f32x16 u = LOAD(w0 + (size_t)k * 16), v = LOAD(w1 + (size_t)k * 16);              \
             for (int i = 0; i < ROWS; i++) {                                                  \
                 float xv = x[i * ldx + k];                                                    \
@@ -76,12 +80,12 @@ DEFINE_TILE_DOTS(bf16, uint16_t, load_bf16)
     DEFINE_PAIR_DOT(pair8_##SUFFIX, WT, LOAD, 8)                                              \
     DEFINE_PAIR_DOT(pair4_##SUFFIX, WT, LOAD, 4)                                              \
     static int pair_dot_##SUFFIX(const WT *w0, const WT *w1, int K, const float *x, int ldx,  \
-                                 int rows, f32x16 *acc0, f32x16 *acc1) {                     \
+                                 int rows, f32x16 *acc0, f32x16 *acc1, const WT *pf) {       \
         if (rows >= 8 && MAX_ROWS >= 8) {                                                     \
-            pair8_##SUFFIX(w0, w1, K, x, ldx, acc0, acc1);                                    \
+            pair8_##SUFFIX(w0, w1, K, x, ldx, acc0, acc1, pf);                                \
             return 8;                                                                         \
         }                                                                                     \
-        pair4_##SUFFIX(w0, w1, K, x, ldx, acc0, acc1);                                        \
+        pair4_##SUFFIX(w0, w1, K, x, ldx, acc0, acc1, pf);                                    \
         return 4;                                                                             \
     }
 
@@ -192,15 +196,23 @@ static int tile_dot(const void *w, int wtype, int K, int t, const float *x, int 
 }
 
 /* Tiles t and t + 1 of a dense (float32 / bfloat16) weight against >= 4 tokens; returns how
- * many tokens it did. */
+ * many tokens it did. With `fetch`, tiles t + 2 and t + 3 (the next pair: they follow in
+ * memory; the caller says they exist) are fetched meanwhile.
+ *
+ * Why: a pair is read from memory by its first block of tokens, then from cache by the next
+ * blocks. Fetching the next pair during the first block keeps twice the reads in flight;
+ * at 32 decode tokens the 120 float32 linears of SmolLM2 went from 0.94x to 0.87x oneDNN's
+ * time (linear_bench --tiled; perf/README.md). During the second block it gained nothing. */
 static int pair_dot(const void *w, int wtype, int K, int t, const float *x, int ldx, int rows,
-                    f32x16 *acc0, f32x16 *acc1) {
+                    f32x16 *acc0, f32x16 *acc1, int fetch) {
     size_t at = (size_t)t * K * 16, next = at + (size_t)K * 16;
-    if (wtype == TL_BF16)
-        return pair_dot_bf16((const uint16_t *)w + at, (const uint16_t *)w + next, K, x, ldx,
-                             rows, acc0, acc1);
-    return pair_dot_f32((const float *)w + at, (const float *)w + next, K, x, ldx, rows, acc0,
-                        acc1);
+    size_t pf = fetch ? next + (size_t)K * 16 : at;
+    if (wtype == TL_BF16) {
+        const uint16_t *h = (const uint16_t *)w;
+        return pair_dot_bf16(h + at, h + next, K, x, ldx, rows, acc0, acc1, h + pf);
+    }
+    const float *f = (const float *)w;
+    return pair_dot_f32(f + at, f + next, K, x, ldx, rows, acc0, acc1, f + pf);
 }
 
 /* xsum[m * (K / 32) + g] = sum of x[m, 32 g .. 32 g + 31] (what a Q4 group's minimum meets). */
@@ -228,7 +240,8 @@ static void linear_tiles(const void *w, int wtype, int K, int N, const float *bi
             const float *xm = x + (size_t)m * ldx, *sm = xsum ? xsum + (size_t)m * G : NULL;
             int done;
             if (tiles == 2 && M - m >= 4) {
-                done = pair_dot(w, wtype, K, t, xm, ldx, M - m, acc[0], acc[1]);
+                int fetch = m == 0 && t + 3 < t1; /* the first block: see pair_dot */
+                done = pair_dot(w, wtype, K, t, xm, ldx, M - m, acc[0], acc[1], fetch);
             } else { /* one tile, or a pair's last 1-3 tokens one tile at a time */
                 done = tile_dot(w, wtype, K, t, xm, ldx, sm, G, M - m, acc[0]);
                 if (tiles == 2) tile_dot(w, wtype, K, t + 1, xm, ldx, sm, G, done, acc[1]);
@@ -259,7 +272,8 @@ static void gate_up_tiles(const void *w, int wtype, int K, const float *x, int l
             const float *xm = x + (size_t)m * ldx, *sm = xsum ? xsum + (size_t)m * G : NULL;
             int done;
             if ((wtype == TL_F32 || wtype == TL_BF16) && M - m >= 4) {
-                done = pair_dot(w, wtype, K, 2 * j, xm, ldx, M - m, g, u);
+                int fetch = m == 0 && j + 1 < j1; /* the first block: see pair_dot */
+                done = pair_dot(w, wtype, K, 2 * j, xm, ldx, M - m, g, u, fetch);
             } else {
                 done = tile_dot(w, wtype, K, 2 * j, xm, ldx, sm, G, M - m, g);
                 tile_dot(w, wtype, K, 2 * j + 1, xm, ldx, sm, G, done, u);
