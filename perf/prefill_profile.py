@@ -6,10 +6,13 @@ profiler's self time: oneDNN/MKL linears, attention (SDPA), everything else. The
 prompt's FLOPs over the machine's best fp32 matmul rate, as `compare.py` computes it.
 
     python perf/prefill_profile.py [--prompt-len 128] [--prompts 1] [--repeats 7] [--torch-silu]
+        [--torch-attention] [--top N]
 
 `--prompts N` prefills N prompts in one step (16 x 128 is a full 2048-token step);
 `--torch-silu` runs torch's SiLU(gate) * up instead of the C one-pass kernel
-(`lib/gpu/_cpu_ops.py`), to measure what that kernel saves.
+(`lib/gpu/_cpu_ops.py`), to measure what that kernel saves; `--torch-attention` runs torch's
+SDPA per prompt instead of the C attention (`trillm_attention`, a ctypes call the profiler
+does not see: its time is in no group). `--top N` lists the N torch ops of most self time.
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=1)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--torch-silu", action="store_true")
+    p.add_argument(
+        "--torch-attention", action="store_true",
+        help="torch's SDPA per prompt (as --enforce-eager), not the C attention",
+    )  # fmt: skip
+    p.add_argument("--top", type=int, default=0, help="also print the N ops of most self time")
     args = p.parse_args()
     if args.torch_silu:
         import torch.nn.functional as F
@@ -50,7 +58,13 @@ def main() -> None:
         llama.silu_mul = torch_silu_mul
     model = default_model_dir()
     worker = Worker(
-        WorkerConfig(str(model), device="cpu", dtype="float32", max_num_seqs=max(8, args.prompts))
+        WorkerConfig(
+            str(model),
+            device="cpu",
+            dtype="float32",
+            max_num_seqs=max(8, args.prompts),
+            enforce_eager=args.torch_attention,
+        )
     )
     worker.init_device()
     worker.load_model()
@@ -80,6 +94,10 @@ def main() -> None:
     print("profiled (self CPU time per prefill, the profiler adds its own): " + ", ".join(
         f"{name} {ms:.1f} ms" for name, ms in groups.items()
     ))  # fmt: skip
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    for event in events[: args.top]:
+        calls, ms = event.count / args.repeats, event.self_cpu_time_total / 1e3 / args.repeats
+        print(f"    {event.key:<48} {calls:8.1f} calls {ms:9.2f} ms")
 
 
 if __name__ == "__main__":

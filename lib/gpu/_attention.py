@@ -41,7 +41,7 @@ class StepAttention(Protocol):
 
 class QkvAttention(abc.ABC):
     """A step's attention that takes the qkv projection whole: rotary, the KV write and the
-    attention in one call per layer (`_cpu_decode.DecodeAttention`, in C). A base class, not
+    attention in one call per layer (`_cpu_decode.CAttention`, in C). A base class, not
     a Protocol: the layer tells it from a `StepAttention` with one isinstance check."""
 
     @abc.abstractmethod

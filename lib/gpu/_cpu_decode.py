@@ -10,11 +10,12 @@ paged attention in the same pass.
 
 What it covers: steps in which every sequence brings one token (decodes, and one-token
 prompts) and there are at most `max_batch` (64) of them, on one rank, in float32 or bfloat16,
-dense or GGUF weights kept quantized (the same C tiles, `_tiles`). Larger decode steps run
-the torch forward with C's attention (`attention`); everything else (prefill, mixed steps,
-tensor parallel) runs the torch forward, whose dense linears stay packed for oneDNN: large
-GEMMs are its strength. The price, for dense weights, is a second copy in the tiled layout
-(logged at load). `--enforce-eager` turns it off, as it turns CUDA graphs off.
+dense or GGUF weights kept quantized (the same C tiles, `_tiles`). Other steps (larger decode
+steps, prompts, mixed steps) run the torch forward, whose dense linears stay packed for
+oneDNN (large GEMMs are its strength), with C's attention (`attention`) unless a prompt's
+context passes `PROMPT_CONTEXT_MAX`; tensor parallel runs the torch forward alone. The
+price, for dense weights, is a second copy in the tiled layout (logged at load).
+`--enforce-eager` turns it off, as it turns CUDA graphs off.
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ MAX_GROUP = 16  # query heads per kv head (csrc: MAX_GROUP)
 # linears): 16.0 / 19.7 ms at 8, 37.4 / 44.1 at 32, 63.4 / 73.1 at 64 (SmolLM2 fp32, 2 cores;
 # `perf/decode_profile.py --batch B`).
 MAX_BATCH = 64
+# Prompts attend in C (`CpuDecode.attention`) up to this context. Each query reads its keys
+# alone, so a long prompt re-reads its KV from L3 per token; torch's SDPA tiles the queries.
+# One prompt of SmolLM2 fp32 (`perf/prefill_profile.py [--torch-attention]`, median ms, C /
+# SDPA): 128 tokens 85.9 / 96.9, 256: 173.0 / 181.1, 512: 407.8 / 419.3, 1024: 1055.5 / 860.1.
+PROMPT_CONTEXT_MAX = 512
 
 
 class _Layer(ctypes.Structure):
@@ -173,6 +179,15 @@ class CpuDecode:
     def bound(self) -> bool:
         return self.structs is not None
 
+    def attends(self, counts: np.ndarray, context_lens: np.ndarray) -> bool:
+        """A step of sequences bringing `counts` tokens each, to `context_lens`, runs here:
+        all of it (`run`) or its attention (`attention`): bound, and no prompt longer than
+        `PROMPT_CONTEXT_MAX`."""
+        prompts = counts > 1
+        return self.bound and (
+            not prompts.any() or int(context_lens[prompts].max()) <= PROMPT_CONTEXT_MAX
+        )
+
     def covers(self, num_decodes: int) -> bool:
         """A step of this many decodes (one token per sequence) runs here (`run`)."""
         return num_decodes <= self.max_batch and self.bound
@@ -216,25 +231,32 @@ class CpuDecode:
 
     def attention(
         self,
-        positions: torch.Tensor,
+        positions: np.ndarray,
         slots: np.ndarray,
-        context_lens: np.ndarray,
+        counts: np.ndarray,
         block_table: np.ndarray,
-    ) -> DecodeAttention:
-        """For a decode step too large for `run`: the torch forward with oneDNN's linears
-        and C's attention in each layer, which reads the KV blocks in place where the torch
-        path gathered them and ran SDPA (at 32 decodes of SmolLM2: 44.1 ms against the plain
-        torch forward's 51.4, `perf/decode_profile.py --batch 32`)."""
+    ) -> CAttention:
+        """A step the C step does not run (more decodes than `max_batch`, prompts, mixed
+        steps): the torch forward with oneDNN's linears and C's attention in each layer,
+        which reads the KV blocks in place where the torch path gathered them and ran SDPA.
+        `positions`, `slots` per token; `counts` [B] tokens per sequence, whose blocks row b
+        of `block_table` [B, width] int32 lists. At 32 decodes of SmolLM2: 44.1 ms against
+        the plain torch forward's 51.4 (`perf/decode_profile.py --batch 32`); a step of 16
+        prompts: perf/README.md (`prefill_profile.py --torch-attention`)."""
         self.num_attention_steps += 1
         half = self.model.config.head_dim // 2
         rotary = self.model.rotary
-        return DecodeAttention(
+        index = torch.from_numpy(np.ascontiguousarray(positions, np.int64))
+        prompts = bool((counts > 1).any())
+        rows = np.repeat(np.arange(len(counts), dtype=np.int32), counts) if prompts else None
+        return CAttention(
             self,
-            rotary.cos[positions][:, :half].float().contiguous(),
-            rotary.sin[positions][:, half:].float().contiguous(),  # the table holds -sin, sin
+            rotary.cos[index][:, :half].float().contiguous(),
+            rotary.sin[index][:, half:].float().contiguous(),  # the table holds -sin, sin
             np.ascontiguousarray(slots, np.int64),
-            np.ascontiguousarray(context_lens, np.int32),
+            (np.asarray(positions) + 1).astype(np.int32),  # causal: up to its own position
             block_table,
+            rows,
         )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -246,8 +268,8 @@ class CpuDecode:
         return logits
 
 
-class DecodeAttention(QkvAttention):
-    """A decode step's attention in C, layer by layer (`CpuDecode.attention`)."""
+class CAttention(QkvAttention):
+    """A step's attention in C, layer by layer (`CpuDecode.attention`)."""
 
     def __init__(
         self,
@@ -257,9 +279,13 @@ class DecodeAttention(QkvAttention):
         slots: np.ndarray,
         context_lens: np.ndarray,
         block_table: np.ndarray,
+        rows: np.ndarray | None,
     ) -> None:
+        """`context_lens`, `slots` per token; `rows` [T] int32: each token's row of
+        `block_table`, or None when every sequence brings one token (row t: token t)."""
         self.decode, self.cos, self.sin = decode, cos, sin
         self.slots, self.context_lens, self.block_table = slots, context_lens, block_table
+        self.rows = rows
         cfg = decode.model.config
         self.out_features = cfg.num_heads * cfg.head_dim
 
@@ -269,6 +295,7 @@ class DecodeAttention(QkvAttention):
         x = qkv.float().contiguous()
         m = x.shape[0]
         out = torch.empty(m, self.out_features, dtype=torch.float32)
+        rows = None if self.rows is None else self.rows.ctypes.data_as(ctypes.c_void_p)
         self.decode.lib.trillm_attention(
             ctypes.byref(self.decode.desc),
             ctypes.c_void_p(k_cache.data_ptr()),
@@ -280,8 +307,10 @@ class DecodeAttention(QkvAttention):
             self.slots.ctypes.data_as(ctypes.c_void_p),
             self.block_table.ctypes.data_as(ctypes.c_void_p),
             self.block_table.shape[1],
+            rows,
             self.context_lens.ctypes.data_as(ctypes.c_void_p),
             m,
+            int(self.rows is not None),
             ctypes.c_void_p(out.data_ptr()),
             self.decode.threads,
         )
@@ -300,7 +329,8 @@ def build_cpu_decode(
         return None, f"torch ({e})"
     return decode, (
         f"c (one call per step of up to {decode.max_batch} decodes; {decode.kinds()}; "
-        f"{decode.nbytes() / 2**20:.1f} MiB of tiled weights)"
+        f"{decode.nbytes() / 2**20:.1f} MiB of tiled weights; other steps' attention too, "
+        f"prompts up to {PROMPT_CONTEXT_MAX} tokens of context)"
     )
 
 

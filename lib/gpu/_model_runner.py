@@ -269,7 +269,7 @@ class ModelRunner:
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of the step's tokens: a graph replay (CUDA) or one C call (CPU, up to
-        64) for decodes, else eager (on CPU, larger decode steps with C's attention)."""
+        64) for decodes, else eager (on CPU with C's attention, unless a prompt is long)."""
         assert self.model is not None
         graphs = self.graphs
         num_seqs = len(inputs.rows)
@@ -289,15 +289,15 @@ class ModelRunner:
             )
         decode = self.cpu_decode
         meta: StepAttention | QkvAttention
-        if decode is not None and decode.bound and len(inputs.input_ids) == num_seqs:
+        if decode is not None and decode.attends(inputs.counts, inputs.context_lens):
             width = int(-(-inputs.context_lens.max() // self.block_size))
             table = np.ascontiguousarray(self.inputs.block_table[inputs.rows, :width])
-            if decode.covers(num_seqs) and not self.model.fail_next_forward:
+            decodes = len(inputs.input_ids) == num_seqs
+            if decodes and decode.covers(num_seqs) and not self.model.fail_next_forward:
                 ids = self._tensor(inputs.input_ids)
                 return decode.run(ids, inputs.positions, inputs.slots, inputs.context_lens, table)
-            # more decodes than the C step takes: oneDNN's linears, C's attention
-            positions = self._tensor(inputs.positions)
-            meta = decode.attention(positions, inputs.slots, inputs.context_lens, table)
+            # prompts, or more decodes than the C step takes: oneDNN's linears, C's attention
+            meta = decode.attention(inputs.positions, inputs.slots, inputs.counts, table)
         else:
             meta = self._attention_metadata(inputs)
         hidden: torch.Tensor = self.model(

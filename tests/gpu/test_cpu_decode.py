@@ -38,10 +38,23 @@ pytestmark = [
 LOGPROBS = SamplingOptions(temperature=0.0, logprobs=3)
 
 
-def _run(model_dir: Path, prompts: list[list[int]], max_tokens: int, **kw: object):
+def _run(
+    model_dir: Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    *,
+    chunk: int = 1 << 30,
+    stagger: int = 0,
+    **kw: object,
+):
+    """Greedy runs with logprobs; request i arrives at step `stagger * i`, prompts prefill in
+    chunks of at most `chunk` tokens."""
     runner = make_runner(model_dir, max_num_seqs=12, **kw)
-    requests = [DriverRequest(i, p, max_tokens, LOGPROBS) for i, p in enumerate(prompts)]
-    Driver(runner, 64).run(requests)
+    requests = [
+        DriverRequest(i, p, max_tokens, LOGPROBS, arrival_step=stagger * i)
+        for i, p in enumerate(prompts)
+    ]
+    Driver(runner, 64, chunk=chunk).run(requests)
     logprobs = [np.concatenate([o.logprobs for o in r.outputs]) for r in requests]
     return runner, [r.output for r in requests], logprobs
 
@@ -81,6 +94,48 @@ def _assert_bfloat16_close(tokens, eager_tokens, lp, eager_lp) -> None:  # type:
         np.testing.assert_allclose(got_lp[:same], want_lp[:same], atol=0.05)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompt_chunks_and_mixed_steps_attend_in_c(tiny_model_dir: Path, dtype: str) -> None:
+    """Prompts in chunks of 16 (a chunk attends to the chunks before it, in the cache) and
+    prompts arriving while others decode (mixed steps): C's attention (`trillm_attention`,
+    stores first, then attends), the torch path's tokens."""
+    prompts = [list(range(200 + 11 * i, 200 + 11 * i + n)) for i, n in enumerate([40, 23, 9, 57])]
+    runner, tokens, lp = _run(tiny_model_dir, prompts, 6, chunk=16, stagger=2, dtype=dtype)
+    _, eager_tokens, eager_lp = _run(
+        tiny_model_dir, prompts, 6, chunk=16, stagger=2, dtype=dtype, enforce_eager=True
+    )
+    assert runner.cpu_decode is not None
+    assert runner.cpu_decode.num_attention_steps >= 8  # every step with a prompt's chunk
+    assert runner.cpu_decode.num_runs >= 3  # the decode-only steps at the end
+    if dtype == "bfloat16":  # the prompts' tokens: later ones may part at a near tie (above)
+        assert [t[0] for t in tokens] == [t[0] for t in eager_tokens]
+        for a, b in zip(lp, eager_lp, strict=True):
+            np.testing.assert_allclose(a[:1], b[:1], atol=0.01)  # measured: up to 0.0027
+        return
+    assert tokens == eager_tokens
+    for a, b in zip(lp, eager_lp, strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-4)
+
+
+def test_a_prompt_past_the_c_context_bound_attends_in_torch(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step with a prompt longer than PROMPT_CONTEXT_MAX runs torch's SDPA (it tiles the
+    queries; C re-reads the keys per query), its chunks up to the bound in C."""
+    monkeypatch.setattr(_cpu_decode, "PROMPT_CONTEXT_MAX", 20)
+    prompts = [list(range(300, 340)), list(range(400, 409))]
+    runner, tokens, lp = _run(tiny_model_dir, prompts, 4)
+    assert runner.cpu_decode is not None
+    assert runner.cpu_decode.num_attention_steps == 0 and runner.cpu_decode.num_runs == 3
+    runner, chunked, _ = _run(tiny_model_dir, prompts, 4, chunk=16)
+    assert runner.cpu_decode is not None
+    assert runner.cpu_decode.num_attention_steps == 1  # the first chunks: contexts 16 and 9
+    _, eager_tokens, eager_lp = _run(tiny_model_dir, prompts, 4, enforce_eager=True)
+    assert tokens == chunked == eager_tokens
+    for a, b in zip(lp, eager_lp, strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-4)
+
+
 def test_more_decodes_than_max_batch_run_onednn_linears_with_c_attention(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -89,13 +144,13 @@ def test_more_decodes_than_max_batch_run_onednn_linears_with_c_attention(
     runner, tokens, lp = _run(tiny_model_dir, prompts, 6)
     assert runner.cpu_decode is not None and runner.cpu_decode.max_batch == 8
     assert runner.cpu_decode.num_runs == 0  # 10 decodes each step: above 8
-    assert runner.cpu_decode.num_attention_steps == 5  # every decode step
+    assert runner.cpu_decode.num_attention_steps == 6  # the prompts' step, every decode step
     _, eager_tokens, eager_lp = _run(tiny_model_dir, prompts, 6, enforce_eager=True)
     assert tokens == eager_tokens
     for a, b in zip(lp, eager_lp, strict=True):
         np.testing.assert_allclose(a, b, atol=2e-4)
     runner, tokens, lp = _run(tiny_model_dir, prompts, 6, dtype="bfloat16")  # a bfloat16 cache
-    assert runner.cpu_decode is not None and runner.cpu_decode.num_attention_steps == 5
+    assert runner.cpu_decode is not None and runner.cpu_decode.num_attention_steps == 6
     eager = _run(tiny_model_dir, prompts, 6, dtype="bfloat16", enforce_eager=True)
     _assert_bfloat16_close(tokens, eager[1], lp, eager[2])
 
@@ -264,7 +319,8 @@ def test_a_head_dim_off_the_vector_width_takes_the_per_head_path(
     prompts = _prompts(10)
     runner, tokens, _ = _run(tmp_path, prompts, 5)
     assert runner.model_config.head_dim == 12
-    assert runner.cpu_decode is not None and runner.cpu_decode.num_attention_steps == 4
+    # the prompts' step and every decode step (10 decodes, above 8)
+    assert runner.cpu_decode is not None and runner.cpu_decode.num_attention_steps == 5
     _, eager_tokens, eager_lp = _run(tmp_path, prompts[:3], 5, enforce_eager=True)
     fused, small, small_lp = _run(tmp_path, prompts[:3], 5)
     assert fused.cpu_decode is not None and fused.cpu_decode.num_runs == 4

@@ -104,8 +104,10 @@ void trillm_decode(const struct tl_model *md, const struct tl_layer *layers,
             linear_tiles(L->wqkv, L->tqkv, H, NQKV, L->bqkv, xn, H, M,
                          sums_for(L->tqkv, xn, M, H, xsum), qkv, NQKV, OUT_STORE, qkv_t0, qkv_t1);
 #pragma omp barrier
-            attention_tasks(md, L->k_cache, L->v_cache, qkv, cos_, sin_, D, slots, tables,
-                            table_stride, context_lens, attn, att0, att1, work);
+            const struct tl_step step = {L->k_cache, L->v_cache, qkv, cos_, sin_, D,
+                                         table_stride, slots, tables, NULL, context_lens,
+                                         attn};
+            attention_tasks(md, &step, att0, att1, 1, ATT_BOTH, work);
 #pragma omp barrier
             linear_tiles(L->wo, L->to, Q, H, L->bo, attn, Q, M, sums_for(L->to, attn, M, Q, xsum),
                          hidden, H, OUT_ADD, o_t0, o_t1);
@@ -149,21 +151,36 @@ int trillm_linear(const void *w, int wtype, int K, int N, const float *x, int M,
     return 0;
 }
 
-/* One layer's decode attention for the torch forward's larger decode batches (the linears
- * there are oneDNN's): `attention_tasks` over M tokens on `threads` threads, the rotary
- * angles given (`cos_`, `sin_` [M, rope_stride], float32). */
+/* One layer's attention for the torch forward's steps (the linears there are oneDNN's):
+ * `attention_tasks` over M tokens on `threads` threads, the rotary angles given (`cos_`,
+ * `sin_` [M, rope_stride], float32). `rows` (NULL: token m is sequence m) and `context_lens`
+ * per token, as `struct tl_step` says. With `prompts` some token reads keys another token of
+ * the step stores: all K/V are stored first, then every token attends.
+ *
+ * Why in C for prompts too: torch ran one SDPA per prompt and layer (480 calls in a step of
+ * 16 prompts of 128 tokens on SmolLM2: 148-180 ms of 1.3 s, prefill_profile.py --top); this
+ * reads each prompt's keys in place, all prompts in one call. */
 void trillm_attention(const struct tl_model *md, void *k_cache, void *v_cache,
                       const float *qkv, const float *cos_, const float *sin_, int rope_stride,
                       const int64_t *slots, const int32_t *tables, int table_stride,
-                      const int32_t *context_lens, int M, float *out, int threads) {
+                      const int32_t *rows, const int32_t *context_lens, int M, int prompts,
+                      float *out, int threads) {
+    const struct tl_step step = {k_cache, v_cache, qkv, cos_, sin_, rope_stride, table_stride,
+                                 slots, tables, rows, context_lens, out};
+    const int tasks = num_attention_tasks(md, M);
 #pragma omp parallel num_threads(threads)
     {
         int tid, nt, t0, t1;
         thread_slot(&tid, &nt);
         float work[WORK_FLOATS(md->head_dim)];
-        split(num_attention_tasks(md, M), tid, nt, &t0, &t1);
-        attention_tasks(md, k_cache, v_cache, qkv, cos_, sin_, rope_stride, slots, tables,
-                        table_stride, context_lens, out, t0, t1, work);
+        if (prompts) { /* strided: a prompt's later tokens cost more, every thread takes some */
+            attention_tasks(md, &step, tid, tasks, nt, ATT_STORE, work);
+#pragma omp barrier
+            attention_tasks(md, &step, tid, tasks, nt, ATT_ATTEND, work);
+        } else {
+            split(tasks, tid, nt, &t0, &t1);
+            attention_tasks(md, &step, t0, t1, 1, ATT_BOTH, work);
+        }
     }
 }
 

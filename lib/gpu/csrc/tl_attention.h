@@ -169,8 +169,7 @@ static void attend_group(const float *q, int group, const float *k, const float 
             f32x16 scores = reduce16(acc) * scale;
             const f32x16 minus_inf = (f32x16){0} - INFINITY;
             scores = (f32x16)(((i32x16)scores & valid) | ((i32x16)minus_inf & ~valid));
-            float chunk_max = -INFINITY;
-            for (int c = 0; c < 16; c++) chunk_max = scores[c] > chunk_max ? scores[c] : chunk_max;
+            float chunk_max = hmax(scores);
             float new_max = chunk_max > run_max[hh] ? chunk_max : run_max[hh];
             float rescale = expf(run_max[hh] - new_max);
             f32x16 p = (f32x16)((i32x16)exp16(scores - new_max) & valid);
@@ -190,41 +189,59 @@ static void attend_group(const float *q, int group, const float *k, const float 
     }
 }
 
-/* The attention of tasks [t0, t1) of `num_attention_tasks`: rotate the queries and the
- * new key (`cos_`/`sin_` rows of `rope_stride`, the first head_dim / 2 used), store the new
- * K/V at the token's slot, attend over the cache and the new key. With head_dim % 16 == 0 a
- * task is a token's kv head and its query group (`attend_group`), else a token's query head
- * (`attend`). `qkv` [M, q + 2 kv], `out` [M, q]; `work`: WORK_FLOATS(head_dim). */
-static void attention_tasks(const struct tl_model *md, void *k_cache, void *v_cache,
-                            const float *qkv, const float *cos_, const float *sin_,
-                            int rope_stride, const int64_t *slots, const int32_t *tables,
-                            int table_stride, const int32_t *context_lens, float *out, int t0,
-                            int t1, float *work) {
+/* One step's attention inputs. `qkv` [M, q + 2 kv] (queries and keys not yet rotated),
+ * `out` [M, q]. Token m is rotated by row m of `cos_`/`sin_` (`rope_stride` apart, the first
+ * head_dim / 2 used), stores its K/V at `slots[m]` and attends to the `context_lens[m]` tokens
+ * (its own the last) whose blocks row `rows[m]` of `tables` lists (row m when `rows` is NULL:
+ * one token per sequence). */
+struct tl_step {
+    void *k_cache, *v_cache;
+    const float *qkv, *cos_, *sin_;
+    int rope_stride, table_stride;
+    const int64_t *slots;
+    const int32_t *tables, *rows, *context_lens;
+    float *out;
+};
+
+enum { ATT_STORE = 1, ATT_ATTEND = 2, ATT_BOTH = 3 }; /* what `attention_tasks` does */
+
+/* Tasks t0, t0 + stride, ... < t1 of `num_attention_tasks`: rotate the new key and store the
+ * K/V (ATT_STORE), rotate the queries and attend over the cache and the new key
+ * (ATT_ATTEND). With head_dim % 16 == 0 a task is a token's kv head and its query group
+ * (`attend_group`), else a token's query head (`attend`). A step whose tokens read keys that
+ * other tokens of it store (a prompt's) stores them all first, then attends (`trillm_attention`).
+ * `work`: WORK_FLOATS(head_dim). */
+static void attention_tasks(const struct tl_model *md, const struct tl_step *st, int t0, int t1,
+                            int stride, int mode, float *work) {
     const int D = md->head_dim, NH = md->num_heads, NKV = md->num_kv_heads, group = NH / NKV;
     const int Q = NH * D, KV = NKV * D, NQKV = Q + 2 * KV, grouped = D % 16 == 0;
     float *attn_work = work + (4 + MAX_GROUP) * D, *qrot = work, *krot = work + MAX_GROUP * D;
-    for (int task = t0; task < t1; task++) {
+    for (int task = t0; task < t1; task += stride) {
         int per = grouped ? NKV : NH, m = task / per;
         int g = grouped ? task % per : (task % per) / group, h0 = grouped ? g * group : task % per;
         int heads = grouped ? group : 1;
-        const float *row = qkv + (size_t)m * NQKV;
-        const float *c = cos_ + (size_t)m * rope_stride, *s = sin_ + (size_t)m * rope_stride;
+        const float *row = st->qkv + (size_t)m * NQKV;
+        const float *c = st->cos_ + (size_t)m * st->rope_stride;
+        const float *s = st->sin_ + (size_t)m * st->rope_stride;
         const float *v = row + Q + KV + (size_t)g * D;
+        if (!(mode & ATT_ATTEND) && h0 % group) continue; /* another task stores its K/V */
+        rotate(row + Q + (size_t)g * D, c, s, D, krot);
+        if ((mode & ATT_STORE) && h0 % group == 0) {
+            cache_store(st->k_cache, md->cache_type, st->slots[m], NKV, g, D, krot);
+            cache_store(st->v_cache, md->cache_type, st->slots[m], NKV, g, D, v);
+        }
+        if (!(mode & ATT_ATTEND)) continue;
         for (int hh = 0; hh < heads; hh++)
             rotate(row + (size_t)(h0 + hh) * D, c, s, D, qrot + (size_t)hh * D);
-        rotate(row + Q + (size_t)g * D, c, s, D, krot);
-        if (h0 % group == 0) {
-            cache_store(k_cache, md->cache_type, slots[m], NKV, g, D, krot);
-            cache_store(v_cache, md->cache_type, slots[m], NKV, g, D, v);
-        }
-        const int32_t *table = tables + (size_t)m * table_stride;
-        float *o = out + (size_t)m * Q + (size_t)h0 * D;
+        const int32_t *table = st->tables + (size_t)(st->rows ? st->rows[m] : m) * st->table_stride;
+        float *o = st->out + (size_t)m * Q + (size_t)h0 * D;
         if (grouped)
-            attend_group(qrot, group, krot, v, k_cache, v_cache, md->cache_type, table,
-                         context_lens[m], md->block_size, NKV, g, D, md->scale, o, attn_work);
+            attend_group(qrot, group, krot, v, st->k_cache, st->v_cache, md->cache_type, table,
+                         st->context_lens[m], md->block_size, NKV, g, D, md->scale, o,
+                         attn_work);
         else
-            attend(qrot, krot, v, k_cache, v_cache, md->cache_type, table, context_lens[m],
-                   md->block_size, NKV, g, D, md->scale, o, attn_work);
+            attend(qrot, krot, v, st->k_cache, st->v_cache, md->cache_type, table,
+                   st->context_lens[m], md->block_size, NKV, g, D, md->scale, o, attn_work);
     }
 }
 
