@@ -94,16 +94,20 @@ def _assert_bfloat16_close(tokens, eager_tokens, lp, eager_lp) -> None:  # type:
         np.testing.assert_allclose(got_lp[:same], want_lp[:same], atol=0.05)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_prompt_chunks_and_mixed_steps_attend_in_c(tiny_model_dir: Path, dtype: str) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "block_size"), [("float32", 8), ("float32", 16), ("bfloat16", 16)]
+)
+def test_prompt_chunks_and_mixed_steps_attend_in_c(
+    tiny_model_dir: Path, dtype: str, block_size: int
+) -> None:
     """Prompts in chunks of 16 (a chunk attends to the chunks before it, in the cache) and
     prompts arriving while others decode (mixed steps): C's attention (`trillm_attention`,
-    stores first, then attends), the torch path's tokens."""
+    stores first, then attends), the torch path's tokens; blocks of 8 and of 16 (the
+    server's) keys."""
     prompts = [list(range(200 + 11 * i, 200 + 11 * i + n)) for i, n in enumerate([40, 23, 9, 57])]
-    runner, tokens, lp = _run(tiny_model_dir, prompts, 6, chunk=16, stagger=2, dtype=dtype)
-    _, eager_tokens, eager_lp = _run(
-        tiny_model_dir, prompts, 6, chunk=16, stagger=2, dtype=dtype, enforce_eager=True
-    )
+    kw = {"chunk": 16, "stagger": 2, "dtype": dtype, "block_size": block_size}
+    runner, tokens, lp = _run(tiny_model_dir, prompts, 6, **kw)
+    _, eager_tokens, eager_lp = _run(tiny_model_dir, prompts, 6, enforce_eager=True, **kw)
     assert runner.cpu_decode is not None
     assert runner.cpu_decode.num_attention_steps >= 8  # every step with a prompt's chunk
     assert runner.cpu_decode.num_runs >= 3  # the decode-only steps at the end
