@@ -144,7 +144,7 @@ class CpuDecode:
         self.out = torch.empty(max_batch, cfg.hidden_size, dtype=torch.float32)
         self.threads = threads
         self.num_runs = 0  # steps run here (tests check the path was taken)
-        self.num_attention_steps = 0  # larger decode steps given C's attention
+        self.num_attention_steps = 0  # torch-forward steps given C's attention (`attention`)
 
     def nbytes(self) -> int:
         """Bytes of the tiled weight copies (what this path costs in memory)."""
@@ -189,8 +189,9 @@ class CpuDecode:
         )
 
     def covers(self, num_decodes: int) -> bool:
-        """A step of this many decodes (one token per sequence) runs here (`run`)."""
-        return num_decodes <= self.max_batch and self.bound
+        """A step of this many decodes (one token per sequence) that `attends` takes runs
+        here whole (`run`)."""
+        return num_decodes <= self.max_batch
 
     def run(
         self,
