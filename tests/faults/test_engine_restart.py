@@ -49,12 +49,18 @@ async def test_a_killed_engine_is_restarted_and_the_server_serves_again(model: P
         first = await trio.to_thread.run_sync(lambda: completion(server, max_tokens=4))
         assert first.status_code == 200
         engine = server.engine_pid()
+        before = set(children(server.pid))
         os.kill(engine, signal.SIGKILL)
         seen: list[int] = []
 
         def serving_again() -> bool:
+            # The children before /health: a 200 answered before the frontend saw the death,
+            # read with children listed after it spawned the new engine, would end the wait
+            # with no 503 seen. The frontend spawns only once restarting, so /health is then
+            # 503 until the new engine serves.
+            engines = children(server.pid)
             seen.append(health(server.base_url))
-            return seen[-1] == 200 and any(pid != engine for pid in children(server.pid))
+            return seen[-1] == 200 and any(pid not in before for pid in engines)
 
         # The restart takes a model load (over a second), the polls milliseconds: a 503 shows.
         await trio.to_thread.run_sync(lambda: wait_for(serving_again, 90, "a restarted engine"))
