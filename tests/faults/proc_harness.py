@@ -151,6 +151,37 @@ def health(server: Served) -> int:
     return httpx.get(f"{server.base_url}/health", timeout=10).status_code
 
 
+def health_or_0(server: Served) -> int:
+    """/health's status, 0 while the server does not answer (restarting or gone)."""
+    try:
+        return httpx.get(f"{server.base_url}/health", timeout=5).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+async def wait_restarted(
+    server: Served, dead: int, timeout: float = 120, seen: list[int] | None = None
+) -> int:
+    """The new engine's pid, once /health is 200 again on an engine other than `dead`; each
+    poll's /health status is appended to `seen`.
+
+    The children are read before /health is asked: a 200 answered before the frontend saw the
+    death, read with children listed after it had spawned the new engine, would hand back an
+    engine still starting (and `seen` no 503). The frontend spawns a new engine only once it
+    is restarting, so /health is 503 until that engine serves."""
+    polls = [] if seen is None else seen
+
+    def serving_again() -> bool:
+        engines = children(server.pid)
+        polls.append(health_or_0(server))
+        return polls[-1] == 200 and any(pid != dead for pid in engines)
+
+    await trio.to_thread.run_sync(lambda: wait_for(serving_again, timeout, "a restarted engine"))
+    new = server.engine_pid()
+    assert new != dead
+    return new
+
+
 def completion(server: Served, **body: object) -> httpx.Response:
     return httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "x", **body}, timeout=30)
 

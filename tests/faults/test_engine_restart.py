@@ -24,9 +24,11 @@ from .proc_harness import (
     Served,
     completion,
     completion_texts,
+    health_or_0,
     served,
     stream_through_strike,
     wait_for,
+    wait_restarted,
 )
 
 pytestmark = pytest.mark.timeout(300)
@@ -37,35 +39,16 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model_dir(tmp_path_factory)
 
 
-def health(base_url: str) -> int:
-    try:
-        return httpx.get(f"{base_url}/health", timeout=5).status_code
-    except httpx.HTTPError:
-        return 0
-
-
 async def test_a_killed_engine_is_restarted_and_the_server_serves_again(model: Path) -> None:
     with served(model, "--max-engine-restarts", "2") as server:
         first = await trio.to_thread.run_sync(lambda: completion(server, max_tokens=4))
         assert first.status_code == 200
         engine = server.engine_pid()
-        before = set(children(server.pid))
         os.kill(engine, signal.SIGKILL)
         seen: list[int] = []
-
-        def serving_again() -> bool:
-            # The children before /health: a 200 answered before the frontend saw the death,
-            # read with children listed after it spawned the new engine, would end the wait
-            # with no 503 seen. The frontend spawns only once restarting, so /health is then
-            # 503 until the new engine serves.
-            engines = children(server.pid)
-            seen.append(health(server.base_url))
-            return seen[-1] == 200 and any(pid not in before for pid in engines)
-
         # The restart takes a model load (over a second), the polls milliseconds: a 503 shows.
-        await trio.to_thread.run_sync(lambda: wait_for(serving_again, 90, "a restarted engine"))
+        new = await wait_restarted(server, engine, 90, seen)
         assert 503 in seen
-        new = server.engine_pid()
         assert new != engine
         reply = await trio.to_thread.run_sync(lambda: completion(server, max_tokens=4))
         assert reply.status_code == 200
@@ -112,7 +95,7 @@ async def test_a_request_waits_for_the_restart_up_to_its_bound_then_gets_503_ret
         finally:
             os.kill(successors[0], signal.SIGCONT)
         await trio.to_thread.run_sync(
-            lambda: wait_for(lambda: health(server.base_url) == 200, 90, "the restart")
+            lambda: wait_for(lambda: health_or_0(server) == 200, 90, "the restart")
         )
         reply = await trio.to_thread.run_sync(lambda: completion(server, max_tokens=4))
         assert reply.status_code == 200

@@ -16,7 +16,6 @@ import httpx
 import pytest
 import trio
 
-from ..procs import children
 from .figures import record
 from .http_harness import tiny_model_dir
 from .proc_harness import (
@@ -26,7 +25,7 @@ from .proc_harness import (
     served,
     shm_names_of,
     stream_through_strike,
-    wait_for,
+    wait_restarted,
 )
 
 TP2_START_TIMEOUT = 240  # two ranks importing torch on two busy cores
@@ -35,31 +34,6 @@ TP2_START_TIMEOUT = 240  # two ranks importing torch on two busy cores
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model_dir(tmp_path_factory)
-
-
-def health(server: Served) -> int:
-    try:
-        return httpx.get(f"{server.base_url}/health", timeout=5).status_code
-    except httpx.HTTPError:
-        return 0
-
-
-async def wait_restarted(server: Served, dead: int, timeout: float = 120) -> int:
-    """The new engine's pid, once /health is 200 again on an engine other than `dead`.
-
-    The children are read before /health is asked: a 200 answered before the frontend saw the
-    death, read after it had spawned the new engine, would hand back an engine still starting.
-    The frontend spawns a new engine only once it is restarting, so /health is 503 until that
-    engine serves."""
-
-    def serving_again() -> bool:
-        engines = children(server.pid)
-        return any(pid != dead for pid in engines) and health(server) == 200
-
-    await trio.to_thread.run_sync(lambda: wait_for(serving_again, timeout, "a restarted engine"))
-    new = server.engine_pid()
-    assert new != dead
-    return new
 
 
 @pytest.mark.slow

@@ -80,25 +80,31 @@ static inline f32x16 vmax(f32x16 a, f32x16 b) {
     return (f32x16)(((i32x16)a & gt) | ((i32x16)b & ~gt));
 }
 
-/* Lane reductions in four shuffle steps: a scalar loop over 16 lanes is a chain of 16
- * dependent adds (or compares), which the per-16-keys softmax of `attend_group` waited on. */
+/* Lane reductions in four shuffle steps (a butterfly: every lane ends with the result): a
+ * scalar loop over 16 lanes is a chain of 16 dependent adds (or compares), which the
+ * per-16-keys softmax of `attend_group` waited on. `OP(a, b)` combines two vectors. */
+#define LANE_REDUCE(v, OP)                                                                    \
+    do {                                                                                      \
+        v = OP(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4,  \
+                                          5, 6, 7));                                          \
+        v = OP(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, \
+                                          10, 11));                                           \
+        v = OP(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, \
+                                          12, 13));                                           \
+        v = OP(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, \
+                                          15, 14));                                           \
+    } while (0)
+
+static inline f32x16 vadd(f32x16 a, f32x16 b) { return a + b; }
+
 static inline float hsum(f32x16 v) {
-    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    LANE_REDUCE(v, vadd);
     return v[0];
 }
 
 static inline float hmax(f32x16 v) {
-    f32x16 t = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    v = vmax(v, t);
-    t = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v = vmax(v, t);
-    t = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    v = vmax(v, t);
-    t = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-    return vmax(v, t)[0];
+    LANE_REDUCE(v, vmax);
+    return v[0];
 }
 
 /* exp over 16 lanes (Cephes' expf: 2^n * (1 + r + r^2 P(r)), |r| <= ln2 / 2; ~1 ulp). */
