@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -34,8 +34,13 @@ class StepAttention(Protocol):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        """Write this step's k, v [T, Hkv, D] to the cache, then attend q [T, H, D]."""
+        """Write this step's k, v [T, Hkv, D] to the cache, then attend q [T, H, D].
+
+        `window` > 0: a query at position p sees keys p - window < j <= p (a sliding layer);
+        `softcap` > 0: scores are softcap * tanh(score / softcap) (Gemma 2)."""
         ...
 
 
@@ -88,6 +93,8 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] bool: key valid
     prefills: tuple[PrefillSpan, ...]
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None  # reused gather buffers (K, V)
+    decode_lens: torch.Tensor | None = None  # [D] context lengths of the decodes
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # by window
 
     def attend(
         self,
@@ -97,8 +104,23 @@ class AttentionMetadata:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        return paged_attention(q, k, v, k_cache, v_cache, self, scale)
+        return paged_attention(q, k, v, k_cache, v_cache, self, scale, window, softcap)
+
+    def decode_mask_for(self, window: int) -> torch.Tensor | None:
+        """The decodes' key mask, narrowed to the last `window` keys of each (made once a
+        step for each window the layers use)."""
+        if not window or self.decode_mask is None or self.decode_lens is None:
+            return self.decode_mask
+        mask = self._window_masks.get(window)
+        if mask is None:
+            key_pos = torch.arange(self.decode_mask.shape[-1], device=self.decode_mask.device)
+            recent = key_pos[None, :] >= (self.decode_lens - window)[:, None]
+            mask = self.decode_mask & recent.view(self.decode_mask.shape)
+            self._window_masks[window] = mask
+        return mask
 
 
 class TorchAttention:
@@ -131,14 +153,15 @@ class TorchAttention:
         """
         is_decode = (counts == 1) & (context_lens > 1)
         decodes = np.flatnonzero(is_decode)
-        decode_idx = tables = mask = workspace = None
+        decode_idx = tables = mask = workspace = decode_lens = None
         token_starts = np.cumsum(counts) - counts
         if len(decodes):
             lens = context_lens[decodes]
             max_blocks = int(-(-lens.max() // self.block_size))
             tables = upload(block_tables[decodes, :max_blocks].astype(np.int64))
             key_pos = torch.arange(max_blocks * self.block_size, device=self.device)
-            mask = (key_pos[None, :] < upload(lens)[:, None]).view(len(decodes), 1, 1, -1)
+            decode_lens = upload(lens)
+            mask = (key_pos[None, :] < decode_lens[:, None]).view(len(decodes), 1, 1, -1)
             decode_idx = upload(token_starts[decodes])
             workspace = self._gather_workspace(len(decodes) * max_blocks)
         prefills = []
@@ -150,7 +173,7 @@ class TorchAttention:
                 block_ids = upload(block_tables[i, :n].astype(np.int64))
             prefills.append(PrefillSpan(int(token_starts[i]), count, context, block_ids))
         return AttentionMetadata(
-            upload(slots), decode_idx, tables, mask, tuple(prefills), workspace
+            upload(slots), decode_idx, tables, mask, tuple(prefills), workspace, decode_lens
         )
 
     def _gather_workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,21 +209,27 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of q [T, H, D] over each sequence's cached context; returns [T, H, D].
 
     k and v [T, Hkv, D] are this step's keys and values; they are written to the cache first.
+    `window`, `softcap`: as `StepAttention.attend` says.
     """
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     if meta.decode_token_idx is not None:
         assert meta.decode_block_tables is not None and meta.decode_mask is not None
         idx = meta.decode_token_idx
-        tables, mask = meta.decode_block_tables, meta.decode_mask
-        out[idx] = _decode(q[idx], k_cache, v_cache, tables, mask, scale, meta.workspace)
+        tables, mask = meta.decode_block_tables, meta.decode_mask_for(window)
+        assert mask is not None
+        out[idx] = _decode(q[idx], k_cache, v_cache, tables, mask, scale, meta.workspace, softcap)
     for span in meta.prefills:
         rows = slice(span.token_start, span.token_start + span.num_tokens)
-        out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span, scale)
+        out[rows] = _prefill(
+            q[rows], k[rows], v[rows], k_cache, v_cache, span, scale, window, softcap
+        )
     return out
 
 
@@ -220,6 +249,35 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | No
     return out.view(*block_ids.shape[:-1], -1, cache.shape[2], cache.shape[3])
 
 
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+    *,
+    causal: bool = False,
+) -> torch.Tensor:
+    """SDPA of q [B, H, Lq, D] over k, v [B, Hkv, Lk, D] (`mask` True: attend); with a
+    softcap, written out (SDPA has none): scores capped by tanh before the mask."""
+    if not softcap:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+        )
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        lq, lk = q.shape[-2], k.shape[-2]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+
+
 def _decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -228,13 +286,12 @@ def _decode(
     mask: torch.Tensor,
     scale: float,
     workspace: tuple[torch.Tensor, torch.Tensor] | None,
+    softcap: float,
 ) -> torch.Tensor:
     k_out, v_out = workspace if workspace is not None else (None, None)
     keys = _gather(k_cache, block_tables, k_out).transpose(1, 2)  # [D, Hkv, L, Dh]
     values = _gather(v_cache, block_tables, v_out).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-    )
+    out = attention(q.unsqueeze(2), keys, values, mask, scale, softcap)
     return out.squeeze(2)
 
 
@@ -246,26 +303,33 @@ def _prefill(
     v_cache: torch.Tensor,
     span: PrefillSpan,
     scale: float,
+    window: int,
+    softcap: float,
 ) -> torch.Tensor:
     n = span.num_tokens
-    if span.context_len == n:  # the whole context is this chunk: no gather, plain causal
-        keys, values, mask, causal = k, v, None, True
+    mask: torch.Tensor | None
+    if span.context_len == n:  # the whole context is this chunk: no gather
+        keys, values, mask, causal = k, v, None, window == 0 or window >= n
     else:
         assert span.block_ids is not None
         keys = _gather(k_cache, span.block_ids, None)[: span.context_len]
         values = _gather(v_cache, span.block_ids, None)[: span.context_len]
-        start = span.context_len - n
-        q_pos = torch.arange(start, span.context_len, device=q.device)
-        mask = torch.arange(span.context_len, device=q.device)[None, :] <= q_pos[:, None]
         causal = False
+    if not causal:
+        start = span.context_len - n
+        q_pos = torch.arange(start, span.context_len, device=q.device)[:, None]
+        k_pos = torch.arange(span.context_len, device=q.device)[None, :]
+        mask = k_pos <= q_pos
+        if window:
+            mask &= k_pos > q_pos - window
     # [1, H, n, D]: with a batch dimension SDPA's CPU kernel ran ~2.5x faster than on 3-D input
-    out = F.scaled_dot_product_attention(
+    out = attention(
         q.transpose(0, 1).unsqueeze(0),
         keys.transpose(0, 1).unsqueeze(0),
         values.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask,
-        is_causal=causal,
-        scale=scale,
-        enable_gqa=True,
+        mask,
+        scale,
+        softcap,
+        causal=causal,
     )
     return out.squeeze(0).transpose(0, 1)

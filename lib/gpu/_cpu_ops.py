@@ -18,6 +18,17 @@ import torch.nn.functional as F
 from ._tiles import tiled_kernels
 
 
+def gated(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """[T, 2I] in [gate | up] order -> act(gate) * up [T, I]; `act` silu (SwiGLU) or
+    gelu_tanh (GeGLU, Gemma's `gelu_pytorch_tanh`)."""
+    if act == "silu":
+        return silu_mul(gate_up)
+    if act != "gelu_tanh":
+        raise ValueError(f"activation {act!r} is not supported (silu, gelu_tanh)")
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] in [gate | up] order -> SiLU(gate) * up [T, I]."""
     lib = tiled_kernels() if gate_up.device.type == "cpu" else None

@@ -42,19 +42,57 @@ def _linear(
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 as Hugging Face's Llama does."""
+    """Root-mean-square norm, computed in float32 as Hugging Face's Llama does.
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+    `offset`: the scale is (offset + weight), Gemma's (1 + w), multiplied in float32 before
+    the cast back as Gemma does. `tp`: the normed vector is split over the ranks (OLMo 2's
+    q/k norm over the whole projection): the sum of squares is all-reduced, and the weight is
+    this rank's slice (`load`).
+    """
+
+    def __init__(
+        self,
+        size: int,
+        eps: float,
+        dtype: torch.dtype,
+        *,
+        offset: float = 0.0,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.offset = offset
+        self.tp = tp if tp is not None and tp.world_size > 1 else None
+        self.full_size = size
+        local = size if self.tp is None else self.tp.split(size, "normed features")
+        init = 0.0 if offset else 1.0
+        self.weight = nn.Parameter(torch.full((local,), init, dtype=dtype), requires_grad=False)
+
+    def load(self, weight: torch.Tensor) -> None:
+        """Copy this rank's part of the full weight."""
+        if self.tp is not None:
+            shard = self.weight.shape[0]
+            weight = weight.narrow(0, self.tp.rank * shard, shard)
+        self.weight.data.copy_(weight)
+
+    def scale(self) -> torch.Tensor:
+        """The float32 scale the normed vector is multiplied by (offset + weight)."""
+        return self.weight.float() + self.offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp is not None:
+            x32 = x.float()
+            squares = self.tp.all_reduce(x32.pow(2).sum(-1, keepdim=True))
+            normed = x32 * torch.rsqrt(squares / self.full_size + self.eps)
+            return (normed * self.scale()).to(x.dtype)
         if x.dtype == torch.float32:  # one fused kernel, the same arithmetic
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            weight = self.weight if not self.offset else self.weight + self.offset
+            return F.rms_norm(x, self.weight.shape, weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x32 * self.scale()).to(dtype)
         return self.weight * x32.to(dtype)
 
 
@@ -109,6 +147,21 @@ class ColumnParallelLinear(nn.Module):
         if target is None:
             raise KeyError("this layer has no bias, but the checkpoint has one")
         target.data[start : start + shard].copy_(rows)
+
+    def load_fused(self, weight: torch.Tensor | QuantizedTensor, *, is_bias: bool = False) -> None:
+        """Load a checkpoint tensor that holds every part, stacked (Phi-3's `qkv_proj`)."""
+        full = [size * self.tp.world_size for size in self.shard_sizes]
+        if weight.shape[0] != sum(full):
+            raise KeyError(f"a fused tensor of {weight.shape[0]} rows, not {sum(full)}")
+        start = 0
+        for part, size in enumerate(full):
+            rows = (
+                weight.rows(start, size)
+                if isinstance(weight, QuantizedTensor)
+                else weight.narrow(0, start, size)
+            )
+            self.load(part, rows, is_bias=is_bias)
+            start += size
 
     def finish_quantized(self) -> None:
         """Pack the kept parts for their kernel; if only some parts came quantized (a file

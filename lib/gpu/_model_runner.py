@@ -32,6 +32,7 @@ from ._sampler import Sampler, SamplerOutput, compute_logprobs
 from ._sampling_batch import RequestSamplingState, SamplingBatch
 from ._step_batch import NewRequest, PromptLogprobs, RunnerOutput, StepBatch
 from ._weights import Weights
+from .models import family_for
 from .models.llama import KVCache, LlamaForCausalLM
 
 
@@ -88,8 +89,11 @@ class ModelRunner:
             self.config.quantization_for(self.device),
         )
         torch.manual_seed(self.config.seed)
+        family = family_for(self.model_config.model_type)
+        assert family is not None  # ModelConfig.from_dict accepts only registered types
+        model_class: type[LlamaForCausalLM] = family.load().MODEL
         with torch.device(self.device):
-            model = LlamaForCausalLM(self.model_config, self.tp, self.dtype)
+            model = model_class(self.model_config, self.tp, self.dtype)
         if weights is None:
             for param in model.parameters():
                 param.data.normal_(0.0, 0.02)

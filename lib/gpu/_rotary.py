@@ -1,4 +1,5 @@
-"""Rotary position embedding (Hugging Face's rotate-half layout), with llama3/linear scaling."""
+"""Rotary position embedding (Hugging Face's rotate-half layout), with llama3 / linear /
+longrope scaling and partial rotary (the first `rotary_dim` dims of each head)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from torch import nn
 
 
 def inverse_frequencies(
-    head_dim: int, theta: float, scaling: dict[str, Any] | None
+    head_dim: int, theta: float, scaling: dict[str, Any] | None, *, long: bool = False
 ) -> torch.Tensor:
-    """The per-pair rotation frequencies, scaled as the model's config says."""
+    """The per-pair rotation frequencies of `head_dim` rotated dims, scaled as the config
+    says (`long`: longrope's factors for positions past the original context)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
@@ -29,10 +31,30 @@ def inverse_frequencies(
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old_context / high) & ~(wavelen > old_context / low)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope scaling {kind!r} is not supported (supported: default, linear, llama3)")
+    if kind == "longrope":
+        factors = scaling["long_factor" if long else "short_factor"]
+        if len(factors) != head_dim // 2:
+            raise ValueError(
+                f"longrope has {len(factors)} factors for {head_dim // 2} rotated pairs"
+            )
+        return inv_freq / torch.tensor(factors, dtype=torch.float32)
+    raise ValueError(
+        f"rope scaling {kind!r} is not supported (supported: default, linear, llama3, longrope)"
+    )
 
 
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos and signed sin, each [T, 1, head_dim]
+def attention_factor(scaling: dict[str, Any] | None, max_positions: int) -> float:
+    """The factor cos and sin are scaled by (longrope's sqrt(1 + ln s / ln L0); else 1)."""
+    if scaling is None or scaling["rope_type"] != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = int(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or max_positions / original)
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos and signed sin, each [T, 1, rotary_dim]
 
 
 class RotaryEmbedding(nn.Module):
@@ -41,6 +63,9 @@ class RotaryEmbedding(nn.Module):
     The table holds cos twice and (-sin, sin), so one rotation is a roll, a multiply and a
     fused multiply-add over whole heads; `angles` is gathered once per forward and every layer
     rotates its query and key heads together (they are adjacent in the qkv projection).
+    Longrope's table takes the short factors below the original context and the long ones
+    from there on, per position (transformers switches the whole forward on its longest
+    position; the two agree for every sequence that stays on one side).
     """
 
     cos: torch.Tensor
@@ -48,16 +73,25 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(
         self,
-        head_dim: int,
+        rotary_dim: int,
         max_positions: int,
         theta: float,
         scaling: dict[str, Any] | None,
         dtype: torch.dtype,
     ) -> None:
         super().__init__()
-        inv_freq = inverse_frequencies(head_dim, theta, scaling)
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        cos, sin = angles.cos(), angles.sin()
+        self.rotary_dim = rotary_dim
+        inv_freq = inverse_frequencies(rotary_dim, theta, scaling)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        angles = torch.outer(positions, inv_freq)
+        if scaling is not None and scaling["rope_type"] == "longrope":
+            original = int(scaling["original_max_position_embeddings"])
+            long = torch.outer(
+                positions, inverse_frequencies(rotary_dim, theta, scaling, long=True)
+            )
+            angles = torch.where((positions >= original)[:, None], long, angles)
+        mscale = attention_factor(scaling, max_positions)
+        cos, sin = angles.cos() * mscale, angles.sin() * mscale
         self.register_buffer("cos", torch.cat((cos, cos), -1).to(dtype), persistent=False)
         self.register_buffer("sin", torch.cat((-sin, sin), -1).to(dtype), persistent=False)
 
@@ -68,4 +102,8 @@ class RotaryEmbedding(nn.Module):
     def rotate(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         """Rotate heads x [T, heads, D] (any strides) by `rope`; returns a new tensor."""
         cos, sin = rope
-        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
+        if self.rotary_dim == x.shape[-1]:
+            return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
+        part = x[..., : self.rotary_dim]
+        rotated = torch.addcmul(part * cos, part.roll(self.rotary_dim // 2, -1), sin)
+        return torch.cat((rotated, x[..., self.rotary_dim :]), -1)

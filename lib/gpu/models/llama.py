@@ -1,41 +1,68 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) with a paged KV cache.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) with a paged KV cache, and
+the base every other family's module builds on.
 
 The batch is flattened: every tensor is [T, ...] over this step's tokens of all sequences, so
 prefill chunks and decodes run in one forward with no padding. q/k/v and gate/up are merged
 into one matmul each; Hugging Face weights are split into them by `load_weights`, which keeps
 GGUF's Q8_0 / Q4_0 / Q4_1 weights quantized when asked (`--quantization gguf`, `_quantized`).
+
+What the other families change is read from `ModelConfig`'s knobs (q/k norms, windows,
+soft-caps, multipliers, partial or absent rotary) by these classes, or is structure their
+own modules override: `LlamaDecoderLayer.forward` (where the norms sit), `make_mlp` (experts).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from .._attention import QkvAttention, StepAttention
-from .._cpu_ops import silu_mul
+from .._cpu_ops import gated
 from .._failure import InjectedFault
 from .._gguf_blocks import QuantizedTensor
 from .._layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
-from .._model_config import ModelConfig
+from .._model_config import ModelConfig, sliding_windows
+from .._moe import FusedMoE
 from .._parallel import TensorParallel
 from .._rotary import Rope, RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+Meta = StepAttention | QkvAttention
+
+
+def parse_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """Llama's `attention_bias` biases q, k, v and o; Qwen2 always biases q, k, v alone;
+    Mistral slides every layer when the config has a window, Qwen2 when it says so."""
+    model_type = raw["model_type"]
+    bias = bool(raw.get("attention_bias", False))
+    return dict(
+        qkv_bias=model_type == "qwen2" or bias,
+        o_bias=model_type != "qwen2" and bias,
+        layer_windows=sliding_windows(raw, flagged=model_type == "qwen2"),
+    )
 
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, dtype: torch.dtype
+        self,
+        config: ModelConfig,
+        layer: int,
+        rotary: RotaryEmbedding | None,
+        tp: TensorParallel,
+        dtype: torch.dtype,
     ) -> None:
         super().__init__()
         d = config.head_dim
         self.num_heads = tp.split(config.num_heads, "num_attention_heads")
         self.num_kv_heads = tp.split(config.num_kv_heads, "num_key_value_heads")
         self.head_dim = d
-        self.scale = d**-0.5
+        self.scale = config.attention_scale if config.attention_scale is not None else d**-0.5
+        self.window = config.window(layer)
+        self.softcap = config.attn_logit_softcap
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.qkv_proj = ColumnParallelLinear(
             config.hidden_size,
@@ -54,33 +81,54 @@ class LlamaAttention(nn.Module):
             what="attention heads",
         )
         self.rotary = rotary
+        eps, offset = config.rms_norm_eps, config.norm_offset
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm == "head":  # Qwen3, Gemma 3: each head normed on its own
+            self.q_norm = RMSNorm(d, eps, dtype, offset=offset)
+            self.k_norm = RMSNorm(d, eps, dtype, offset=offset)
+        elif config.qk_norm == "projection":  # OLMo 2: the whole q (k) projection
+            self.q_norm = RMSNorm(config.num_heads * d, eps, dtype, offset=offset, tp=tp)
+            self.k_norm = RMSNorm(config.num_kv_heads * d, eps, dtype, offset=offset, tp=tp)
 
     def forward(
-        self,
-        rope: Rope,
-        hidden: torch.Tensor,
-        kv_cache: KVCache,
-        meta: StepAttention | QkvAttention,
+        self, rope: Rope | None, hidden: torch.Tensor, kv_cache: KVCache, meta: Meta
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         if isinstance(meta, QkvAttention):  # rotary, KV write and attention in one call
             fused: torch.Tensor = self.o_proj(meta.attend_qkv(qkv, kv_cache[0], kv_cache[1]))
             return fused
-        qk_heads = self.num_heads + self.num_kv_heads
-        qk = self.rotary.rotate(
-            qkv[:, : self.q_size + self.kv_size].view(-1, qk_heads, self.head_dim), rope
-        )
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        q, k = self._rotated_qk(rope, qkv)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale)
+        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, self.window, self.softcap)
         result: torch.Tensor = self.o_proj(out.flatten(1))
         return result
+
+    def _rotated_qk(
+        self, rope: Rope | None, qkv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D] and k [T, Hkv, D], normed and rotated as the config says."""
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.q_norm is None or self.k_norm is None:
+            qk = qkv[:, : self.q_size + self.kv_size].view(-1, h + hkv, d)
+            if rope is not None and self.rotary is not None:  # q and k heads in one pass
+                qk = self.rotary.rotate(qk, rope)
+            return qk[:, :h], qk[:, h:]
+        q_flat, k_flat = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+        if self.q_norm.full_size == d:  # per head
+            q, k = self.q_norm(q_flat.view(-1, h, d)), self.k_norm(k_flat.view(-1, hkv, d))
+        else:
+            q, k = self.q_norm(q_flat).view(-1, h, d), self.k_norm(k_flat).view(-1, hkv, d)
+        if rope is not None and self.rotary is not None:
+            q, k = self.rotary.rotate(q, rope), self.rotary.rotate(k, rope)
+        return q, k
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype) -> None:
         super().__init__()
         size = config.intermediate_size
+        self.act = config.hidden_act
         self.gate_up_proj = ColumnParallelLinear(
             config.hidden_size,
             [size, size],
@@ -95,22 +143,40 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        result: torch.Tensor = self.down_proj(silu_mul(self.gate_up_proj(x)))
+        result: torch.Tensor = self.down_proj(gated(self.gate_up_proj(x), self.act))
         return result
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x)). Families with other norm
+    placements override `forward` (and add their norms in `__init__`)."""
+
     def __init__(
-        self, config: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel, dtype: torch.dtype
+        self,
+        config: ModelConfig,
+        layer: int,
+        rotary: RotaryEmbedding | None,
+        tp: TensorParallel,
+        dtype: torch.dtype,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, rotary, tp, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, tp, dtype)
+        self.layer = layer
+        self.input_layernorm = self.make_norm(config, dtype)
+        self.self_attn = LlamaAttention(config, layer, rotary, tp, dtype)
+        self.post_attention_layernorm = self.make_norm(config, dtype)
+        self.mlp = self.make_mlp(config, layer, tp, dtype)
+
+    @staticmethod
+    def make_norm(config: ModelConfig, dtype: torch.dtype) -> RMSNorm:
+        return RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, offset=config.norm_offset)
+
+    def make_mlp(
+        self, config: ModelConfig, layer: int, tp: TensorParallel, dtype: torch.dtype
+    ) -> nn.Module:
+        return LlamaMLP(config, tp, dtype)
 
     def forward(
-        self, rope: Rope, hidden: torch.Tensor, kv: KVCache, meta: StepAttention | QkvAttention
+        self, rope: Rope | None, hidden: torch.Tensor, kv: KVCache, meta: Meta
     ) -> torch.Tensor:
         hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv, meta)
         result: torch.Tensor = hidden + self.mlp(self.post_attention_layernorm(hidden))
@@ -125,12 +191,12 @@ _MERGED = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
-_ROW = {"self_attn.o_proj", "mlp.down_proj"}
-_NORMS = {"input_layernorm", "post_attention_layernorm"}
 
 
 class LlamaForCausalLM(nn.Module):
     """Embedding, decoder layers, final norm and (tied or own) vocab-parallel LM head."""
+
+    layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
     def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype) -> None:
         super().__init__()
@@ -139,39 +205,56 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp=tp, dtype=dtype
         )
-        rotary = RotaryEmbedding(
-            config.head_dim,
-            config.max_position_embeddings,
-            config.rope_theta,
-            config.rope_scaling,
-            dtype,
+        rotary_dim = config.rotary_dim or config.head_dim
+        positions = config.max_position_embeddings
+        self.rotary = RotaryEmbedding(
+            rotary_dim, positions, config.rope_theta, config.rope_scaling, dtype
         )
-        self.rotary = rotary
+        self.local_rotary = (  # Gemma 3's sliding layers: their own base, unscaled
+            None
+            if config.local_rope_theta is None
+            else RotaryEmbedding(rotary_dim, positions, config.local_rope_theta, None, dtype)
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, tp, dtype) for _ in range(config.num_layers)
+            self.layer_class(config, i, self._rotary_of(i), tp, dtype)
+            for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype, offset=config.norm_offset
+        )
         self.lm_head = (
             self.embed_tokens
             if config.tie_word_embeddings
             else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp, dtype=dtype)
         )
 
+    def _rotary_of(self, layer: int) -> RotaryEmbedding | None:
+        if not self.config.uses_rope(layer):
+            return None
+        if self.local_rotary is not None and self.config.window(layer):
+            return self.local_rotary
+        return self.rotary
+
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[KVCache],
-        meta: StepAttention | QkvAttention,
+        meta: Meta,
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] of this step's tokens."""
         if self.fail_next_forward:
             self.fail_next_forward = False
             raise InjectedFault("injected fault in LlamaForCausalLM.forward (test hook)")
         hidden = self.embed_tokens(input_ids)
-        rope = self.rotary.angles(positions)
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(rope, hidden, kv, meta)
+        if self.config.embedding_multiplier != 1.0:
+            hidden = hidden * self.config.embedding_multiplier
+        ropes = {id(self.rotary): self.rotary.angles(positions)}
+        if self.local_rotary is not None:
+            ropes[id(self.local_rotary)] = self.local_rotary.angles(positions)
+        for layer, kv in zip(self.decoder_layers(), kv_caches, strict=True):
+            rotary = layer.self_attn.rotary
+            hidden = layer(None if rotary is None else ropes[id(rotary)], hidden, kv, meta)
         result: torch.Tensor = self.norm(hidden)
         return result
 
@@ -190,7 +273,16 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits."""
-        return self.lm_head.logits(hidden)
+        return self.finish_logits(self.lm_head.logits(hidden))
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's output scaled (Granite) and soft-capped (Gemma) as the config says."""
+        cfg = self.config
+        if cfg.logits_scaling != 1.0:
+            logits = logits / cfg.logits_scaling
+        if cfg.final_logit_softcap:
+            logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
+        return logits
 
     def load_weights(
         self,
@@ -225,7 +317,7 @@ class LlamaForCausalLM(nn.Module):
     def _finish_quantized(self) -> None:
         """Pack every kept quantized weight for its kernel, once all parts are in."""
         for module in self.modules():
-            if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            if isinstance(module, ColumnParallelLinear | RowParallelLinear | FusedMoE):
                 module.finish_quantized()
         tied = self.lm_head is self.embed_tokens
         self.embed_tokens.finish_quantized(lookup=True, head=tied)
@@ -244,19 +336,27 @@ class LlamaForCausalLM(nn.Module):
                 kept = getattr(module, name, None)
                 if kept is not None:
                     total += kept.nbytes
+            total += getattr(module, "quantized_bytes", 0)
         return total
 
     def decode_read_bytes(self) -> int:
-        """Bytes of weights one decode step reads: all but the embedding table, of which it
-        reads a row a token (the head reads its own copy, unless it multiplies the table)."""
+        """Bytes of weights one decode step of one token reads: all but the embedding table,
+        of which it reads a row a token (the head reads its own copy, unless it multiplies
+        the table), and of the experts only the ones a token is routed to."""
         table = self.embed_tokens
+        unread = sum(getattr(m, "unread_bytes_per_token", int)() for m in self.modules())
         if table.quantized_table is not None:
-            return self.weight_bytes() - table.quantized_table.nbytes
+            return self.weight_bytes() - table.quantized_table.nbytes - unread
         if table.packed_head is None and table.quantized_head is None and table is self.lm_head:
-            return self.weight_bytes()  # the dense table is the head
-        return self.weight_bytes() - table.weight.numel() * table.weight.element_size()
+            return self.weight_bytes() - unread  # the dense table is the head
+        return self.weight_bytes() - table.weight.numel() * table.weight.element_size() - unread
+
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint's name in this module's terms (families rename theirs)."""
+        return name
 
     def _load_one(self, name: str, tensor: torch.Tensor | QuantizedTensor) -> None:
+        name = self.checkpoint_name(name)
         if name == "model.embed_tokens.weight":
             self.embed_tokens.load(tensor)
             return
@@ -265,26 +365,43 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.load(tensor)
             return
         if name == "model.norm.weight":
-            self.norm.weight.data.copy_(_dense(tensor))
+            self.norm.load(_dense(tensor))
             return
         match = _LAYER.match(name)
-        if match is None:
-            raise KeyError(f"checkpoint tensor {name!r} is not part of a Llama-family model")
+        if match is None or "." not in match.group(2):
+            raise KeyError(f"checkpoint tensor {name!r} is not part of a {self.family} model")
         layer = self.layers[int(match.group(1))]
         path, kind = match.group(2).rsplit(".", 1)
-        if path not in _MERGED and path not in _ROW and path not in _NORMS:
-            raise KeyError(f"checkpoint tensor {name!r} is not part of a Llama-family model")
         is_bias = kind == "bias"
-        module = layer.get_submodule(_MERGED[path][0] if path in _MERGED else path)
+        loader = getattr(layer.get_submodule(path.split(".")[0]), "load_checkpoint", None)
+        if loader is not None and loader(path.split(".", 1)[1], tensor, is_bias=is_bias):
+            return  # a block that loads its own names (experts)
+        target, part = _MERGED.get(path, (path, None))
+        try:
+            module = layer.get_submodule(target)
+        except AttributeError:
+            raise KeyError(
+                f"checkpoint tensor {name!r} is not part of a {self.family} model"
+            ) from None
         if isinstance(module, ColumnParallelLinear):
-            module.load(_MERGED[path][1], tensor, is_bias=is_bias)
+            if part is None:  # a fused checkpoint tensor (Phi-3's qkv_proj): every part
+                module.load_fused(tensor, is_bias=is_bias)
+            else:
+                module.load(part, tensor, is_bias=is_bias)
         elif isinstance(module, RowParallelLinear):
             module.load(tensor, is_bias=is_bias)
-        elif isinstance(module, RMSNorm):
-            module.weight.data.copy_(_dense(tensor))
+        elif isinstance(module, RMSNorm) and not is_bias:
+            module.load(_dense(tensor))
         else:
-            raise KeyError(f"checkpoint tensor {name!r} is not part of a Llama-family model")
+            raise KeyError(f"checkpoint tensor {name!r} is not part of a {self.family} model")
+
+    @property
+    def family(self) -> str:
+        return self.config.model_type
 
 
 def _dense(tensor: torch.Tensor | QuantizedTensor) -> torch.Tensor:
     return tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor
+
+
+MODEL = LlamaForCausalLM
