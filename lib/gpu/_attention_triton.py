@@ -50,9 +50,15 @@ class TritonAttentionMetadata:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
-        """Write this step's K/V, then attend q [T, H, D]; returns [T, H, D]."""
-        return self.backend.forward(q, k, v, k_cache, v_cache, self, scale)
+        """Write this step's K/V, then attend q [T, H, D]; returns [T, H, D].
+
+        `window` > 0: each query sees only the last `window` keys, itself included.
+        `softcap` > 0: scores become softcap * tanh(score / softcap) before the softmax.
+        """
+        return self.backend.forward(q, k, v, k_cache, v_cache, self, scale, window, softcap)
 
 
 class TritonAttention:
@@ -165,7 +171,18 @@ class TritonAttention:
         v_cache: torch.Tensor,
         meta: TritonAttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
+        """The KV write and the attention of one layer (`window`, `softcap`: as in `attend`).
+
+        Raises:
+            ValueError: `window` or `softcap` is negative.
+        """
+        if window < 0:
+            raise ValueError(f"window must be >= 0 keys (0: no window), got {window}")
+        if softcap < 0:
+            raise ValueError(f"softcap must be >= 0 (0: no cap), got {softcap}")
         self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         num_tokens, num_heads = q.shape[0], q.shape[1]
         out = torch.empty_like(q)
@@ -186,13 +203,14 @@ class TritonAttention:
         kernels._attention_kernel[grid](
             out, segm_out, segm_max, segm_sum, q, k_cache, v_cache,
             meta.block_tables, meta.seq_lens, meta.query_start, meta.qblock_seq,
-            meta.qblock_first, scale,
+            meta.qblock_first, scale, window, softcap,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             QPK=self.qpk, BLOCK_Q=self.block_q, BLOCK_M=self.block_m,
             HEAD_DIM=self.head_dim, HEAD_DIM_PAD=self.head_dim_pad,
             BLOCK_SIZE=self.block_size, TILE=self.tile, NUM_SEGMENTS=segments,
             FP32_DOT=self.interpreted or q.dtype == torch.float32,
+            SLIDING=window > 0, SOFTCAP=softcap > 0,
         )  # fmt: skip
         if segments > 1:
             kernels._reduce_segments_kernel[(num_tokens, num_heads)](

@@ -5,11 +5,20 @@ The attention kernel follows vLLM's `triton_unified_attention` design. One progr
 *query block* (up to BLOCK_Q consecutive query tokens of one sequence, times the QPK query
 heads that share one KV head, so BLOCK_M = BLOCK_Q * QPK rows padded to a power of two) and
 walks that sequence's paged KV in tiles, with an online softmax. Prefill chunks, whole
-prompts and decodes are the same case: a query token at position p sees keys 0..p. Grid:
-(query blocks of the whole batch, KV heads, segments). With one segment it writes the output;
-with more (long decodes at a small batch, where query blocks x heads leave the GPU idle) each
-segment covers a slice of the tiles and writes its unnormalised partial sums, max and
-denominator, and `_reduce_segments_kernel` merges them.
+prompts and decodes are the same case: a query token at position p sees keys 0..p, or with a
+sliding window W only keys p - W < j <= p. Grid: (query blocks of the whole batch, KV heads,
+segments). With one segment it writes the output; with more (long decodes at a small batch,
+where query blocks x heads leave the GPU idle) each segment covers a slice of the tiles and
+writes its unnormalised partial sums, max and denominator, and `_reduce_segments_kernel`
+merges them.
+
+A block's tiles run from the one holding the first key its earliest query sees (tile 0
+without a window) to the one holding its last query's position; tiles wholly before the
+window are never loaded, and segments split only that range. Soft-capping (Gemma 2) replaces
+each score s by cap * tanh(s / cap) before the mask. SLIDING and SOFTCAP are constexpr flags
+(the window and the cap themselves are runtime values): with both off the kernel compiles to
+the same instructions as before they existed, and a layer's values, fixed per call, are baked
+into a captured CUDA graph like any other argument.
 
 Off CUDA the kernels run in Triton's interpreter (numpy on CPU tensors, for correctness).
 TRITON_INTERPRET must be set before `triton` is imported, so it is set here, at import, when
@@ -96,6 +105,16 @@ def _write_kv_kernel(
 
 
 @triton.jit
+def _softcap(s, cap):
+    """cap * tanh(s / cap), from exp(-2|x|) in (0, 1]: finite for any score (the interpreter
+    has no libdevice tanh, and exp(x) - exp(-x) overflows to inf / inf past |x| = 88)."""
+    x = s / cap
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return cap * tl.where(x < 0.0, -t, t)
+
+
+@triton.jit
 def _attention_kernel(
     out_ptr,  # [T, H, D], or the segment buffers' owner when NUM_SEGMENTS > 1
     segm_out_ptr,  # [T, H, NUM_SEGMENTS, D] float32 (unused with one segment)
@@ -110,6 +129,8 @@ def _attention_kernel(
     qblock_seq_ptr,  # [num query blocks] int32: the sequence of each query block
     qblock_first_ptr,  # [num query blocks] int32: its first query token within the sequence
     scale,
+    window,  # keys a query sees, itself included (read only when SLIDING)
+    softcap,  # the cap of the scores (read only when SOFTCAP)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -127,6 +148,8 @@ def _attention_kernel(
     TILE: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     qblock = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -154,12 +177,14 @@ def _attention_kernel(
         q = q.to(tl.float32)
     q_pos = before + q_tok
 
-    # Keys this block can see end at its last query's position; split the tiles by segment.
+    # Keys this block can see end at its last query's position and, with a window, start
+    # at the first key its earliest query sees; split the tiles between them by segment.
     kv_end = tl.minimum(seq_len, before + first + BLOCK_Q)
-    num_tiles = (kv_end + TILE - 1) // TILE
-    per_segment = (num_tiles + NUM_SEGMENTS - 1) // NUM_SEGMENTS
-    tile_lo = segment * per_segment
-    tile_hi = tl.minimum(tile_lo + per_segment, num_tiles)
+    tile_end = (kv_end + TILE - 1) // TILE
+    tile_start = tl.maximum(before + first - window + 1, 0) // TILE if SLIDING else 0
+    per_segment = (tile_end - tile_start + NUM_SEGMENTS - 1) // NUM_SEGMENTS
+    tile_lo = tile_start + segment * per_segment
+    tile_hi = tl.minimum(tile_lo + per_segment, tile_end)
 
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.full([BLOCK_M], 0.0, tl.float32)
@@ -182,7 +207,11 @@ def _attention_kernel(
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * scale
+        if SOFTCAP:
+            s = _softcap(s, softcap)
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
+        if SLIDING:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         new_max = tl.maximum(row_max, tl.reduce(s, 1, _max))
         new_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # nothing visible yet

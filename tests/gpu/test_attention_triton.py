@@ -1,9 +1,10 @@
-"""The triton attention backend against the torch reference, under Triton's interpreter on CPU.
+"""The triton attention backend against dense references, under Triton's interpreter on CPU.
 
 Each case builds one step of a mixed batch (prefills from scratch, prefill chunks after a
-cached context, decodes) over a KV cache with scattered blocks, runs both backends on copies
-of the cache, and compares the outputs and the written caches. The same cases run compiled on
-CUDA in `test_cuda.py`.
+cached context, decodes) over a KV cache with scattered blocks, runs the backend on a copy of
+the cache, and compares its output with a masked softmax over each sequence's gathered
+context in float32 (sliding window and soft-cap included), and the written cache with the
+expected one. The same cases run compiled on CUDA in `test_cuda.py`.
 """
 
 from __future__ import annotations
@@ -16,15 +17,43 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trillm.gpu._attention import TorchAttention
 from trillm.gpu._attention_triton import TritonAttention
 
 pytestmark = pytest.mark.timeout(300)
 
 
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    first_pos: int,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """One sequence's attention in float32: q [C, H, D] at positions first_pos.. over its
+    whole context k, v [N, Hkv, D]; a key j is visible to the query at p when j <= p and,
+    with a window, j > p - window (transformers' sliding_window_causal_mask_function)."""
+    qpk = q.shape[1] // k.shape[1]
+    qf = q.float().transpose(0, 1)  # [H, C, D]
+    kf = k.float().repeat_interleave(qpk, dim=1).transpose(0, 1)  # [H, N, D]
+    vf = v.float().repeat_interleave(qpk, dim=1).transpose(0, 1)
+    scores = qf @ kf.transpose(1, 2) * scale  # [H, C, N]
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    p = torch.arange(first_pos, first_pos + q.shape[0])[:, None]
+    j = torch.arange(k.shape[0])[None, :]
+    visible = (j <= p) & ((j > p - window) if window > 0 else True)
+    scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
+    return (scores.softmax(-1) @ vf).transpose(0, 1)  # [C, H, D]
+
+
 @dataclass
 class Step:
-    """One step's attention inputs; `seqs` is (tokens already cached, tokens this step)."""
+    """One step's attention inputs; `seqs` is (tokens already cached, tokens this step).
+
+    `poison_skipped` fills the cached keys and values of every tile wholly before a
+    sequence's window with NaN in the backend's cache: a tile read, even masked, shows."""
 
     seqs: list[tuple[int, int]]
     num_heads: int = 6
@@ -33,9 +62,25 @@ class Step:
     block_size: int = 16
     dtype: torch.dtype = torch.float32
     seed: int = 0
+    window: int = 0
+    softcap: float = 0.0
+    poison_skipped: bool = False
 
     def run(self, segments: int | None = None, device: str = "cpu") -> tuple[float, float]:
-        """Max |triton - torch| over the outputs, and over the caches after the KV write."""
+        """Max |triton - dense| over the outputs, and over the caches after the KV write."""
+        got, expected, got_caches, caches = self.outputs(segments, device)
+        out_err = (got.float() - expected).abs().max().item()
+        cache_err = max(
+            # a poisoned key is NaN in both caches; a NaN in one of them only stays NaN
+            torch.where(a.isnan() & b.isnan(), 0.0, a.float() - b.float()).abs().max().item()
+            for a, b in zip(caches, got_caches, strict=True)
+        )
+        return out_err, cache_err
+
+    def outputs(
+        self, segments: int | None = None, device: str = "cpu"
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """The backend's output and the dense one [T, H, D], then both caches (K, V)."""
         g = torch.Generator().manual_seed(self.seed)
         rng = np.random.default_rng(self.seed)
         bs, kv_heads, dim = self.block_size, self.num_kv_heads, self.head_dim
@@ -67,21 +112,30 @@ class Step:
 
         scale = dim**-0.5
         dev = torch.device(device)
-        reference = TorchAttention(bs, bs * kv_heads * dim, self.dtype, dev)
-        caches = (k_cache.clone(), v_cache.clone())
-        expected = reference.metadata(counts, context, tables, slots, upload).attend(
-            q, k, v, *caches, scale
-        )
         backend = TritonAttention(self.num_heads, kv_heads, dim, bs, dev, num_segments=segments)
-        meta = backend.metadata(counts, context, tables, slots, upload)
+        caches = (k_cache.clone(), v_cache.clone())
         got_caches = (k_cache.clone(), v_cache.clone())
-        got = meta.attend(q, k, v, *got_caches, scale)
-        out_err = (got.float() - expected.float()).abs().max().item()
-        cache_err = max(
-            (a.float() - b.float()).abs().max().item()
-            for a, b in zip(caches, got_caches, strict=True)
-        )
-        return out_err, cache_err
+        slots_t = torch.from_numpy(slots).to(dev)
+        for cache, new in zip(caches, (k, v), strict=True):
+            cache.view(-1, kv_heads, dim)[slots_t] = new
+        expected = torch.empty(q.shape, dtype=torch.float32, device=dev)
+        for i, ((cached, _), n, first) in enumerate(
+            zip(self.seqs, context, np.cumsum(counts) - counts, strict=True)
+        ):
+            ctx = torch.from_numpy(tables[i, np.arange(n) // bs] * bs + np.arange(n) % bs)
+            ctx = ctx.to(dev)
+            k_ctx, v_ctx = (c.view(-1, kv_heads, dim)[ctx] for c in caches)
+            span = slice(int(first), int(first + n - cached))
+            expected[span] = dense_attention(
+                q[span], k_ctx, v_ctx, cached, scale, self.window, self.softcap
+            )
+            if self.poison_skipped and self.window > 0:
+                skipped = max(0, cached - self.window + 1) // backend.tile * backend.tile
+                for c in (*caches, *got_caches):
+                    c.view(-1, kv_heads, dim)[ctx[:skipped]] = float("nan")
+        meta = backend.metadata(counts, context, tables, slots, upload)
+        got = meta.attend(q, k, v, *got_caches, scale, self.window, self.softcap)
+        return got, expected, got_caches, caches
 
 
 HEADS = [(4, 4), (4, 2), (6, 2), (8, 1), (9, 3)]  # (query heads, KV heads): MHA to MQA
@@ -154,3 +208,99 @@ def test_a_non_contiguous_key_is_refused() -> None:
     k = torch.randn(64, 2, 3).transpose(0, 2)  # [3, 2, 64] with strides that split heads
     with pytest.raises(ValueError, match="contiguously"):
         backend.write_kv(k, k, torch.zeros(1), torch.zeros(1), torch.zeros(3, dtype=torch.long))
+
+
+# -- sliding windows and soft-capping --------------------------------------------------------
+
+# Decodes, prefill chunks after a cached context (one across a 128-key interpreter tile) and a
+# prompt from scratch, in one batch; contexts up to 291 keys span three tiles.
+MIXED = [(290, 1), (5, 1), (200, 30), (0, 40), (60, 17)]
+
+
+@pytest.mark.parametrize(
+    "window",
+    [1, 5, 16, 40, 1000],
+    ids=["itself-only", "under-a-block", "one-block", "three-blocks", "past-the-context"],
+)
+def test_sliding_windows_match_the_dense_reference(window: int) -> None:
+    """Keys in tiles wholly before a window are NaN in the cache: the kernel must skip them.
+    A chunk whose first window starts at key 127, the last of tile 0, must not skip tile 0;
+    a decode whose window starts at key 128 must skip it."""
+    edge = [(126 + window, 9), (127 + window, 1)] if window < 100 else []
+    step = Step(MIXED + edge, 6, 2, block_size=16, window=window, poison_skipped=True)
+    out_err, cache_err = step.run()
+    assert cache_err == 0.0
+    assert out_err < 1e-5
+
+
+@pytest.mark.parametrize("window", [0, 40], ids=["softcap-alone", "softcap-and-window"])
+def test_softcapped_scores_match_the_dense_reference(window: int) -> None:
+    """A cap of 1.5 bends scores of magnitude about 1 (head_dim 64, unit-normal q and k)."""
+    step = Step(MIXED, 4, 2, block_size=16, window=window, softcap=1.5, poison_skipped=True)
+    out_err, cache_err = step.run()
+    assert cache_err == 0.0
+    assert out_err < 1e-5
+
+
+@pytest.mark.parametrize(("segments", "softcap"), [(2, 0.0), (16, 2.0)])
+def test_split_kv_segments_split_only_the_window(segments: int, softcap: float) -> None:
+    """A 400-key window over 701 keys is tiles 2..5 of 128: two segments take two tiles each
+    from tile 2; sixteen leave most segments empty. Over 655 keys it starts at key 255, the
+    last of tile 1. Skipped tiles are NaN in the cache."""
+    seqs = [(700, 1), (654, 1), (300, 1), (5, 1), (129, 1)]
+    step = Step(seqs, 8, 2, window=400, softcap=softcap, poison_skipped=True)
+    out_err, cache_err = step.run(segments)
+    assert cache_err == 0.0
+    assert out_err < 1e-5
+
+
+def test_a_window_past_the_context_changes_nothing_bit_for_bit() -> None:
+    full = Step(MIXED, 6, 2).outputs()[0]
+    windowed = Step(MIXED, 6, 2, window=1000).outputs()[0]
+    assert torch.equal(full, windowed)
+
+
+@settings(
+    max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+@given(
+    seqs=st.lists(
+        st.tuples(st.integers(0, 300), st.integers(1, 40)).map(
+            lambda s: (s[0], 1) if s[1] > 30 else s
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    heads=st.sampled_from(HEADS),
+    block_size=st.sampled_from([8, 16, 32]),
+    window=st.sampled_from([1, 3, 8, 16, 17, 50, 130]),
+    softcap=st.sampled_from([0.0, 0.0, 2.0]),
+    segments=st.sampled_from([None, 4]),
+)
+def test_random_windows_and_caps_match_the_reference(
+    seqs: list[tuple[int, int]],
+    heads: tuple[int, int],
+    block_size: int,
+    window: int,
+    softcap: float,
+    segments: int | None,
+) -> None:
+    step = Step(seqs, *heads, block_size=block_size, window=window, softcap=softcap)
+    out_err, cache_err = step.run(segments)
+    assert cache_err == 0.0
+    assert out_err < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("window", "softcap", "message"),
+    [(-1, 0.0, r"window must be >= 0 keys \(0: no window\), got -1"),
+     (0, -0.5, r"softcap must be >= 0 \(0: no cap\), got -0.5")],
+)  # fmt: skip
+def test_a_negative_window_or_softcap_is_refused(window: int, softcap: float, message: str) -> None:
+    backend = TritonAttention(4, 2, 64, 16, torch.device("cpu"))
+    meta = backend.metadata(np.ones(1), np.ones(1), np.zeros((1, 1), np.int32), np.zeros(1),
+                            torch.from_numpy)  # fmt: skip
+    q, kv = torch.randn(1, 4, 64), torch.randn(1, 2, 64)
+    with pytest.raises(ValueError, match=message):
+        meta.attend(q, kv, kv, torch.zeros(1, 16, 2, 64), torch.zeros(1, 16, 2, 64), 0.125,
+                    window, softcap)  # fmt: skip
