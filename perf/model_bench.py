@@ -13,6 +13,13 @@ bytes of its weights over this machine's read bandwidth (a 1 GiB `torch.sum`).
     python perf/model_bench.py [--model DIR] [--batches 1,8,32] [--dtypes float32,bfloat16]
     python perf/model_bench.py --quantization none,gguf [--model FILE.gguf] [--batches 1,32]
 
+`--moe` compares a mixture-of-experts decoder (Qwen3-MoE shaped: 64 experts, 8 routed per
+token) with the dense Qwen3 of the same *active* parameters (intermediate size 8 x the
+experts'), both on dummy weights, decode steps interleaved run by run; the acceptance line is
+MoE / dense <= 1.3 at batch 1, which holds only if experts no token chose are never read.
+
+    python perf/model_bench.py --moe [--batches 1,8] [--repeats 5] [--enforce-eager]
+
 `--kernels` times the candidate weight-only kernels alone on SmolLM2's linear shapes at M =
 each batch size, interleaved: float32 packed for oneDNN (the baseline), trillm's C tiles
 (float32, Q4_1, Q8_0: `lib/gpu/_tiles.py`), torch's int4 (`_weight_int4pack_mm_for_cpu`) and
@@ -250,7 +257,14 @@ def main() -> None:
     parser.add_argument(
         "--kernels", action="store_true", help="time the candidate weight-only kernels alone"
     )
+    parser.add_argument(
+        "--moe", action="store_true", help="a MoE decoder against the dense one of its active size"
+    )
+    parser.add_argument("--enforce-eager", action="store_true", help="no C decode step (--moe)")
     args = parser.parse_args()
+    if args.moe:
+        moe_main(args)
+        return
     if args.kernels:
         kernels_main(args)
         return
@@ -296,6 +310,85 @@ def main() -> None:
                 f"(transformers {row['hf_decode_tok_s']:7.1f}, x{decode_x:.2f})",
                 flush=True,
             )
+    write_json(args, rows)
+
+
+MOE_SHAPE: dict[str, Any] = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+MOE_EXPERTS = dict(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256)
+
+
+def moe_main(args: argparse.Namespace) -> None:
+    """Decode tokens/s of the MoE model and of the dense one with its active parameters."""
+    import tempfile
+
+    active = MOE_EXPERTS["num_experts_per_tok"] * MOE_EXPERTS["moe_intermediate_size"]
+    configs = {
+        "moe": dict(MOE_SHAPE, model_type="qwen3_moe", intermediate_size=active, **MOE_EXPERTS),
+        "dense": dict(MOE_SHAPE, model_type="qwen3", intermediate_size=active),
+    }
+    workers = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, config in configs.items():
+            path = Path(tmp) / name
+            path.mkdir()
+            (path / "config.json").write_text(json.dumps(config))
+            worker = Worker(
+                WorkerConfig(
+                    str(path),
+                    device="cpu",
+                    dtype="float32",
+                    load_format="dummy",
+                    max_num_seqs=64,
+                    kv_cache_bytes=1 << 28,
+                    enforce_eager=args.enforce_eager,
+                )
+            )
+            worker.init_device()
+            worker.load_model()
+            worker.init_kv_cache(worker.num_available_kv_blocks())
+            workers[name] = worker
+            model = worker.runner.model
+            assert model is not None and worker.runner.kernels is not None
+            print(
+                f"{name:<5}: {model.weight_bytes() / 2**20:7.1f} MiB of weights, "
+                f"{model.decode_read_bytes() / 2**20:6.1f} MiB read per decode token; "
+                f"decode {worker.runner.kernels.decode[:70]}",
+                flush=True,
+            )
+    rows = []
+    for b in map(int, args.batches.split(",")):
+        batch = prompts(b, args.prompt_len, MOE_SHAPE["vocab_size"])
+        times: dict[str, list[float]] = {name: [] for name in workers}
+        for worker in workers.values():
+            trillm_run(worker, batch, 2)  # warm-up
+        for _ in range(args.repeats):  # interleaved, so drift hits both alike
+            for name, worker in workers.items():
+                times[name].append(trillm_run(worker, batch, args.new_tokens)[1])
+        step = {name: statistics.median(t) / (args.new_tokens - 1) for name, t in times.items()}
+        ratio = step["moe"] / step["dense"]
+        rows.append(
+            {
+                "batch": b,
+                "moe_step_ms": step["moe"] * 1e3,
+                "dense_step_ms": step["dense"] * 1e3,
+                "ratio": ratio,
+            }
+        )
+        print(
+            f"B={b:<3} decode step: moe {step['moe'] * 1e3:7.2f} ms, dense {step['dense'] * 1e3:7.2f} ms, "
+            f"moe / dense {ratio:.2f} (median of {args.repeats})",
+            flush=True,
+        )
     write_json(args, rows)
 
 

@@ -8,7 +8,6 @@ included), and the built-in SmolLM2 Q4_1 file: its logits, greedy tokens and mem
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -50,8 +49,7 @@ from .conftest import make_runner
 from .driver import Driver, DriverRequest
 from .test_gguf import tiny_llama, write_llama_gguf
 from .test_smollm2 import QUESTIONS
-from .test_worker import free_port
-from .tp_peer import generate
+from .tp_peer import generate, generate_tp2
 
 Q = gguf.GGMLQuantizationType
 ROOT = Path(__file__).resolve().parents[2]
@@ -319,22 +317,7 @@ def test_tensor_parallel_2_shards_the_kept_blocks(tiny_gguf: Path) -> None:
     config = WorkerConfig(
         str(tiny_gguf), device="cpu", dtype="float32", block_size=8, kv_cache_bytes=1 << 24
     )
-    single = generate(Worker(config))
-    init = f"tcp://127.0.0.1:{free_port()}"
-    peer = [sys.executable, str(ROOT / "tests/gpu/tp_peer.py"), str(tiny_gguf)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    rank1 = subprocess.Popen([*peer, "1", "2", init], env=env)
-    try:
-        rank0 = subprocess.run(
-            [*peer, "0", "2", init], env=env, capture_output=True, timeout=120, check=True
-        )
-        assert rank1.wait(timeout=60) == 0
-    finally:
-        if rank1.poll() is None:
-            rank1.kill()
-            rank1.wait()
-    out = rank0.stdout
-    assert json.loads(out) == single
+    assert generate_tp2(tiny_gguf) == generate(Worker(config))
 
 
 def test_quantization_is_validated_and_resolved(tiny_gguf: Path, tmp_path: Path) -> None:

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,49 +9,14 @@ import pytest
 from trillm.gpu import Worker, WorkerConfig
 from trillm.gpu._worker import KVCacheTooSmallError
 
-from .tp_peer import generate
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from .tp_peer import generate, generate_tp2
 
 
 def test_tensor_parallel_2_gives_the_same_greedy_tokens_as_1(tiny_model_dir: Path) -> None:
     config = WorkerConfig(
         str(tiny_model_dir), device="cpu", dtype="float32", block_size=8, kv_cache_bytes=1 << 24
     )
-    single = generate(Worker(config))
-    init = f"tcp://127.0.0.1:{free_port()}"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(ROOT / "tests/gpu/tp_peer.py"),
-                str(tiny_model_dir),
-                str(rank),
-                "2",
-                init,
-            ],
-            stdout=subprocess.PIPE,
-            env=env,
-        )
-        for rank in range(2)
-    ]
-    try:
-        out, _ = procs[0].communicate(timeout=120)
-        assert procs[1].wait(timeout=60) == 0
-        assert procs[0].returncode == 0
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert json.loads(out) == single
+    assert generate_tp2(tiny_model_dir) == generate(Worker(config))
 
 
 def test_kv_blocks_follow_the_cpu_budget(tiny_model_dir: Path) -> None:

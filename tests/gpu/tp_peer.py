@@ -6,10 +6,16 @@ Runs the same driver as the test on a `Worker`; rank 0 prints the generated toke
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
 import sys
+from pathlib import Path
 
 from tests.gpu.driver import Driver, DriverRequest
 from trillm.gpu import Worker, WorkerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
 
 PROMPTS = [list(range(50, 50 + n)) for n in (3, 17, 9, 1, 30)]
 
@@ -22,6 +28,37 @@ def generate(worker: Worker) -> list[list[int]]:
     requests = [DriverRequest(i, p, max_tokens=10) for i, p in enumerate(PROMPTS)]
     Driver(worker.runner, blocks, chunk=7).run(requests)
     return [r.output for r in requests]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def generate_tp2(model: Path, *, timeout: float = 120) -> list[list[int]]:
+    """`generate` on two gloo ranks, each this script in its own process; rank 0's tokens."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(model), str(rank), "2", init],
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        for rank in range(2)
+    ]
+    try:
+        out, _ = procs[0].communicate(timeout=timeout)
+        assert procs[1].wait(timeout=60) == 0
+        assert procs[0].returncode == 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    tokens: list[list[int]] = json.loads(out)
+    return tokens
 
 
 if __name__ == "__main__":
