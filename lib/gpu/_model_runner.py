@@ -284,9 +284,12 @@ class ModelRunner:
             and graphs.size_for(num_seqs) is not None
         ):
             width = int(-(-inputs.context_lens.max() // self.block_size))
+            positions = self.model.rotary.rope_positions(
+                inputs.positions, inputs.counts, inputs.context_lens
+            )
             return graphs.run(
                 self._tensor(inputs.input_ids),
-                self._tensor(inputs.positions),
+                self._tensor(positions),
                 self._tensor(inputs.slots),
                 self._tensor(inputs.context_lens.astype(np.int32)),
                 self._tensor(np.ascontiguousarray(self.inputs.block_table[inputs.rows, :width])),
@@ -304,8 +307,11 @@ class ModelRunner:
             meta = decode.attention(inputs.positions, inputs.slots, inputs.counts, table)
         else:
             meta = self._attention_metadata(inputs)
+        positions = self.model.rotary.rope_positions(
+            inputs.positions, inputs.counts, inputs.context_lens
+        )
         hidden: torch.Tensor = self.model(
-            self._tensor(inputs.input_ids), self._tensor(inputs.positions), self.kv_caches, meta
+            self._tensor(inputs.input_ids), self._tensor(positions), self.kv_caches, meta
         )
         return hidden
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -63,9 +64,11 @@ class RotaryEmbedding(nn.Module):
     The table holds cos twice and (-sin, sin), so one rotation is a roll, a multiply and a
     fused multiply-add over whole heads; `angles` is gathered once per forward and every layer
     rotates its query and key heads together (they are adjacent in the qkv projection).
-    Longrope's table takes the short factors below the original context and the long ones
-    from there on, per position (transformers switches the whole forward on its longest
-    position; the two agree for every sequence that stays on one side).
+    Longrope's table is two: the short factors' rows, then (from `long_offset` on) the long
+    ones'. transformers takes the long factors for a whole forward once its longest position
+    passes the original context; per sequence that is "once its context does", so the runner
+    shifts the positions of a sequence whose context passes `original_context` by
+    `long_offset` (`rope_positions`).
     """
 
     cos: torch.Tensor
@@ -81,15 +84,16 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
+        self.long_offset = 0  # longrope: where the long factors' rows start
+        self.original_context = 0
         inv_freq = inverse_frequencies(rotary_dim, theta, scaling)
         positions = torch.arange(max_positions, dtype=torch.float32)
         angles = torch.outer(positions, inv_freq)
         if scaling is not None and scaling["rope_type"] == "longrope":
-            original = int(scaling["original_max_position_embeddings"])
-            long = torch.outer(
-                positions, inverse_frequencies(rotary_dim, theta, scaling, long=True)
-            )
-            angles = torch.where((positions >= original)[:, None], long, angles)
+            self.long_offset = max_positions
+            self.original_context = int(scaling["original_max_position_embeddings"])
+            long = inverse_frequencies(rotary_dim, theta, scaling, long=True)
+            angles = torch.cat((angles, torch.outer(positions, long)))
         mscale = attention_factor(scaling, max_positions)
         cos, sin = angles.cos() * mscale, angles.sin() * mscale
         self.register_buffer("cos", torch.cat((cos, cos), -1).to(dtype), persistent=False)
@@ -98,6 +102,16 @@ class RotaryEmbedding(nn.Module):
     def angles(self, positions: torch.Tensor) -> Rope:
         """The rotation of each token at `positions` [T], shared by every layer of a forward."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def rope_positions(
+        self, positions: np.ndarray, counts: np.ndarray, context_lens: np.ndarray
+    ) -> np.ndarray:
+        """The table rows of a step's tokens: `positions`, shifted to the long factors' rows
+        for the sequences (`counts` tokens each) whose context passes the original one."""
+        if not self.long_offset:
+            return positions
+        long = np.repeat(context_lens > self.original_context, counts)
+        return positions + long * self.long_offset
 
     def rotate(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         """Rotate heads x [T, heads, D] (any strides) by `rope`; returns a new tensor."""

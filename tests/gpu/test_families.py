@@ -125,3 +125,16 @@ def test_tensor_parallel_2_gives_the_tokens_of_1(family: str, tmp_path: Path) ->
         str(model_dir), device="cpu", dtype="float32", block_size=8, kv_cache_bytes=1 << 24
     )
     assert generate_tp2(model_dir) == generate(Worker(config))
+
+
+def test_a_prompt_past_the_original_context_takes_longrope_long_factors(tmp_path: Path) -> None:
+    """Phi-3's longrope (original context 256): a 300-token prompt takes the long factors
+    for all its tokens, as transformers does (it decides per forward on the longest
+    position). A sequence that crosses 256 while decoding differs: transformers' Phi-3 drops
+    its KV cache there and recomputes it with the long factors; we keep it (docs/design.md)."""
+    model_dir = families.save("phi3", tmp_path)
+    prompt = [(7 * i) % 4000 + 100 for i in range(300)]
+    expected = families.greedy(_reference(model_dir), prompt, 10)
+    request = DriverRequest(0, prompt, 10)
+    Driver(make_runner(model_dir), 64).run([request])
+    assert request.output == expected
