@@ -111,7 +111,8 @@ class RotaryEmbedding(nn.Module):
         if not self.long_offset:
             return positions
         long = np.repeat(context_lens > self.original_context, counts)
-        return positions + long * self.long_offset
+        shifted: np.ndarray = positions + long * self.long_offset
+        return shifted
 
     def rotate(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         """Rotate heads x [T, heads, D] (any strides) by `rope`; returns a new tensor."""
