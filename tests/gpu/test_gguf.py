@@ -256,8 +256,8 @@ def test_not_llama(tmp_path: Path) -> None:
     path = tmp_path / "gpt2.gguf"
     write_llama_gguf(path, tiny_llama(), arch="gpt2")
     message = (
-        f"{path}: architecture 'gpt2' is not supported; only 'llama' GGUF files "
-        "(Llama, SmolLM, Mistral-style models) can be loaded"
+        f"{path}: architecture 'gpt2' is not supported; trillm loads GGUF files of the "
+        "architectures llama, qwen2, qwen3, gemma2, gemma3, phi3, olmo2, granite, smollm3, qwen3moe"
     )
     with pytest.raises(GGUFError, match=re.escape(message)):
         GGUFCheckpoint.open(path)
