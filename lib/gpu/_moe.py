@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -134,20 +135,21 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
-        flat = experts.flatten()
-        order = flat.argsort(stable=True)  # pairs grouped by expert, tokens in order
-        tokens = order // self.top_k
-        pair_weights = weights.flatten()[order].unsqueeze(1)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        # The grouping is host work on a few thousand ints at most: numpy's, without torch's
+        # per-op dispatch (on CUDA this is the layer's one sync).
+        flat = experts.flatten().cpu().numpy()
+        order = np.argsort(flat, kind="stable")  # pairs grouped by expert, tokens in order
+        counts = np.bincount(flat, minlength=self.num_experts)
+        tokens = torch.from_numpy(order // self.top_k).to(x.device)
+        pair_weights = weights.flatten()[torch.from_numpy(order).to(x.device)].unsqueeze(1)
         out = torch.zeros_like(x)
         start = 0
-        for expert, count in enumerate(counts):
-            if not count:
-                continue
-            rows = tokens[start : start + count]
-            y = self._expert(expert, x.index_select(0, rows))
-            out.index_add_(0, rows, y * pair_weights[start : start + count])
-            start += count
+        for expert in np.flatnonzero(counts).tolist():
+            end = start + int(counts[expert])
+            rows = tokens[start:end]
+            y = self._expert(expert, x if len(flat) == self.top_k else x.index_select(0, rows))
+            out.index_add_(0, rows, y * pair_weights[start:end])
+            start = end
         return self.tp.all_reduce(out)
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,11 @@
-/* trillm's CPU decode step: every decoder layer of a Llama-family model in one call.
+/* trillm's CPU decode step: every decoder layer of a decoder-only model in one call.
  *
  * Why (lib/gpu/_cpu_decode.py has the whole story): around the weight reads of a batch-1
  * decode step the torch forward issued some 5,000 ops, 121 of them separate OpenMP regions,
  * and took nearly twice as long as this does (15.75 against 8.24 ms for SmolLM2 fp32). Here
  * the step is one OpenMP parallel region: per layer two RMS norms, three matrix-vector products
  * over the weights in a layout made for them, rotary, the KV cache write and paged attention,
- * with four barriers and no allocation.
+ * with four barriers and no allocation (Llama's layer; what other families add is below).
  *
  * Weights are "tiled": output rows in tiles of 16, each tile stored k-major, so the 16 rows'
  * elements at one k are one 64-byte vector: out[tile] += w[tile][k] * x[k]. There is no
@@ -16,32 +16,48 @@
  * A Q4 group computes sum_k q x once per row and applies d and m per group:
  * sum_k (d q + m) x = d sum_k q x + m sum_k x.
  *
+ * What the other families add, each where its family puts it (`struct tl_layer` says how a
+ * layer asks for it): q/k RMS norms per head or over the projection before rotary (Qwen3,
+ * Gemma 3, OLMo 2); norms on the blocks' outputs before the residual add (Gemma's sandwich,
+ * OLMo 2, which has no input norms), each one more barrier; GeGLU; soft-capped scores, a
+ * scale of the model's own, sliding windows (the keys before a window are not read), layers
+ * without rotary or with their own table, partial rotary (rotary rows come from the model's
+ * tables, so longrope and its attention factor are the torch path's); a residual multiplier
+ * (Granite); mixture-of-experts MLPs (`tl_moe.h`).
+ *
  * Built by lib/gpu/_native.py with -O3 -march=native -fopenmp; the vector types below become
  * AVX-512, AVX2 or SSE code as the CPU allows. OpenMP is the process's one libgomp (torch's,
  * already loaded), so these threads are torch's threads.
  */
 #include "tl_attention.h"
 #include "tl_linear.h"
+#include "tl_moe.h"
 #include "tl_vec.h"
 
-static void split(int n, int tid, int nt, int *lo, int *hi) {
-    *lo = (int)((int64_t)n * tid / nt);
-    *hi = (int)((int64_t)n * (tid + 1) / nt);
-}
-
-static int64_t private_floats(const struct tl_model *md, int M) {
+static int64_t widest_row(const struct tl_model *md) {
     int64_t widest = md->hidden > md->intermediate ? md->hidden : md->intermediate;
     int64_t q = (int64_t)md->num_heads * md->head_dim;
     widest = widest > q ? widest : q;
-    return (int64_t)M * md->hidden + 2 * (int64_t)M * md->head_dim + WORK_FLOATS(md->head_dim) +
-           (int64_t)M * (widest / 32 + 1);
+    return widest > md->expert_intermediate ? widest : md->expert_intermediate;
+}
+
+/* Rows of a thread's Q4 group sums: a token's, or an expert pair's (M * top_k). */
+static int64_t sum_rows(const struct tl_model *md, int M) {
+    return (int64_t)M * (md->top_k > 1 ? md->top_k : 1);
+}
+
+static int64_t private_floats(const struct tl_model *md, int M) {
+    return (int64_t)M * md->hidden + WORK_FLOATS(md->head_dim) +
+           sum_rows(md, M) * (widest_row(md) / 32 + 1) +
+           (md->num_experts ? route_floats(md, M) : 0);
 }
 
 /* Floats of scratch `trillm_decode` needs for M tokens on `threads` threads. */
 int64_t trillm_decode_scratch(const struct tl_model *md, int M, int threads) {
     int64_t q = (int64_t)md->num_heads * md->head_dim;
     int64_t kv = (int64_t)md->num_kv_heads * md->head_dim;
-    int64_t shared = M * (q + 2 * kv) + M * q + (int64_t)M * md->intermediate;
+    int64_t shared = M * (q + 2 * kv) + M * q + (int64_t)M * md->intermediate +
+                     (int64_t)M * md->hidden + moe_floats(md, M);
     return shared + threads * private_floats(md, M);
 }
 
@@ -62,69 +78,118 @@ static const float *sums_for(int wtype, const float *x, int M, int K, float *xsu
     return xsum;
 }
 
+/* A block's input: the residual stream normed by `norm` into this thread's `xn`, or the
+ * stream itself for a block without an input norm (OLMo 2). */
+static const float *block_in(const float *hidden, const float *norm, int M, int H, float eps,
+                             float *xn) {
+    if (!norm) return hidden;
+    for (int m = 0; m < M; m++)
+        rms_norm(hidden + (size_t)m * H, norm, H, eps, xn + (size_t)m * H);
+    return xn;
+}
+
+/* hidden[m] += alpha * norm(y[m]) (y[m] itself when `norm` is NULL) over the columns
+ * [c0, c1): a block's output [M, H] joining the residual stream. */
+static void residual_add(float *hidden, const float *y, const float *norm, int M, int H,
+                         float eps, float alpha, int c0, int c1) {
+    for (int m = 0; m < M; m++) {
+        const float *ym = y + (size_t)m * H;
+        float *hm = hidden + (size_t)m * H;
+        if (norm) {
+            float inv = 1.0f / sqrtf(dot(ym, ym, H) / (float)H + eps);
+            for (int c = c0; c < c1; c++) hm[c] += alpha * (norm[c] * (ym[c] * inv));
+        } else {
+            for (int c = c0; c < c1; c++) hm[c] += alpha * ym[c];
+        }
+    }
+}
+
 /* All decoder layers for M decode tokens (one per sequence), then the final norm.
  *
  * hidden [M, hidden] float32: the embeddings in, the residual stream throughout; `out`
- * [M, hidden] gets the final-normed states. Token m is at `positions[m]`, its K/V go to
- * `slots[m]`, and it attends to the `context_lens[m]` tokens (its own included) whose blocks
+ * [M, hidden] gets the final-normed states. Token m is rotated by row `rope_rows[m]` of each
+ * layer's rotary table (its position, or longrope's shifted row), its K/V go to `slots[m]`,
+ * and it attends to the `context_lens[m]` tokens (its own included) whose blocks
  * `tables[m * table_stride ...]` lists. `scratch`: `trillm_decode_scratch` floats.
  */
 void trillm_decode(const struct tl_model *md, const struct tl_layer *layers,
                    const float *final_norm, float *hidden, float *out, int M,
-                   const int64_t *positions, const int64_t *slots, const int32_t *tables,
+                   const int64_t *rope_rows, const int64_t *slots, const int32_t *tables,
                    int table_stride, const int32_t *context_lens, float *scratch, int threads) {
     const int H = md->hidden, D = md->head_dim, NH = md->num_heads, NKV = md->num_kv_heads;
     const int I = md->intermediate;
     const int Q = NH * D, KV = NKV * D, NQKV = Q + 2 * KV;
+    const float eps = md->eps, alpha = md->residual;
     float *qkv = scratch, *attn = qkv + (size_t)M * NQKV, *act = attn + (size_t)M * Q;
-    float *private_base = act + (size_t)M * I;
+    float *tmp = act + (size_t)M * I, *moe_mem = tmp + (size_t)M * H;
+    float *private_base = moe_mem + moe_floats(md, M);
     const size_t private_size = (size_t)private_floats(md, M);
+    const struct tl_moe_scratch moe = moe_scratch(md, M, moe_mem);
 #pragma omp parallel num_threads(threads)
     {
         int tid, nt;
         thread_slot(&tid, &nt);
-        float *xn = private_base + tid * private_size, *cos_ = xn + (size_t)M * H;
-        float *sin_ = cos_ + (size_t)M * D, *work = sin_ + (size_t)M * D;
+        float *xn = private_base + tid * private_size, *work = xn + (size_t)M * H;
         float *xsum = work + WORK_FLOATS(D);
-        for (int m = 0; m < M; m++) /* rotary angles, once per step, in every thread */
-            for (int i = 0; i < D / 2; i++) {
-                float a = (float)positions[m] * md->inv_freq[i];
-                cos_[m * D + i] = cos_[m * D + i + D / 2] = cosf(a);
-                sin_[m * D + i] = sin_[m * D + i + D / 2] = sinf(a);
-            }
-        int qkv_t0, qkv_t1, o_t0, o_t1, gu_t0, gu_t1, att0, att1;
+        float *route_mem = xsum + sum_rows(md, M) * (widest_row(md) / 32 + 1);
+        int qkv_t0, qkv_t1, o_t0, o_t1, gu_t0, gu_t1, att0, att1, c0, c1;
         split((NQKV + 15) / 16, tid, nt, &qkv_t0, &qkv_t1);
         split((H + 15) / 16, tid, nt, &o_t0, &o_t1);
         split(I / 16, tid, nt, &gu_t0, &gu_t1);
         split(num_attention_tasks(md, M), tid, nt, &att0, &att1);
+        split(H, tid, nt, &c0, &c1);
         for (int l = 0; l < md->num_layers; l++) {
             const struct tl_layer *L = &layers[l];
-            for (int m = 0; m < M; m++)
-                rms_norm(hidden + (size_t)m * H, L->ln1, H, md->eps, xn + (size_t)m * H);
-            linear_tiles(L->wqkv, L->tqkv, H, NQKV, L->bqkv, xn, H, M,
-                         sums_for(L->tqkv, xn, M, H, xsum), qkv, NQKV, OUT_STORE, qkv_t0, qkv_t1);
+            const float *x = block_in(hidden, L->ln1, M, H, eps, xn);
+            linear_tiles(L->wqkv, L->tqkv, H, NQKV, L->bqkv, x, H, M,
+                         sums_for(L->tqkv, x, M, H, xsum), qkv, NQKV, OUT_STORE, 1.0f, qkv_t0,
+                         qkv_t1);
 #pragma omp barrier
-            const struct tl_step step = {L->k_cache, L->v_cache, qkv, cos_, sin_, D,
-                                         table_stride, slots, tables, NULL, context_lens,
-                                         attn};
+            const struct tl_step step = {L,      L->k_cache,   L->v_cache, qkv,
+                                         rope_rows, slots,     tables,     NULL,
+                                         context_lens, table_stride, attn};
             attention_tasks(md, &step, att0, att1, 1, ATT_BOTH, work);
 #pragma omp barrier
-            linear_tiles(L->wo, L->to, Q, H, L->bo, attn, Q, M, sums_for(L->to, attn, M, Q, xsum),
-                         hidden, H, OUT_ADD, o_t0, o_t1);
+            const float *osum = sums_for(L->to, attn, M, Q, xsum);
+            if (L->ln_attn_out) { /* normed before it joins the stream: a whole row first */
+                linear_tiles(L->wo, L->to, Q, H, L->bo, attn, Q, M, osum, tmp, H, OUT_STORE,
+                             1.0f, o_t0, o_t1);
 #pragma omp barrier
-            for (int m = 0; m < M; m++)
-                rms_norm(hidden + (size_t)m * H, L->ln2, H, md->eps, xn + (size_t)m * H);
-            gate_up_tiles(L->wgu, L->tgu, H, xn, H, M, sums_for(L->tgu, xn, M, H, xsum), act, I,
-                          gu_t0, gu_t1);
+                residual_add(hidden, tmp, L->ln_attn_out, M, H, eps, alpha, c0, c1);
+            } else {
+                linear_tiles(L->wo, L->to, Q, H, L->bo, attn, Q, M, osum, hidden, H, OUT_ADD,
+                             alpha, o_t0, o_t1);
+            }
 #pragma omp barrier
-            linear_tiles(L->wd, L->td, I, H, NULL, act, I, M, sums_for(L->td, act, M, I, xsum),
-                         hidden, H, OUT_ADD, o_t0, o_t1);
+            x = block_in(hidden, L->ln2, M, H, eps, xn);
+            if (L->router) {
+                moe_block(md, L, x, M, moe, route_mem, xsum, tmp, c0, c1, tid, nt);
+                if (L->ln_ff_out) { /* its norm reads whole rows; without, each thread adds
+                                     * the columns it summed */
+#pragma omp barrier
+                }
+                residual_add(hidden, tmp, L->ln_ff_out, M, H, eps, alpha, c0, c1);
+            } else {
+                gate_up_tiles(L->wgu, L->tgu, H, x, H, M, sums_for(L->tgu, x, M, H, xsum), act,
+                              I, gu_t0, gu_t1, md->act, 1);
+#pragma omp barrier
+                const float *dsum = sums_for(L->td, act, M, I, xsum);
+                if (L->ln_ff_out) {
+                    linear_tiles(L->wd, L->td, I, H, NULL, act, I, M, dsum, tmp, H, OUT_STORE,
+                                 1.0f, o_t0, o_t1);
+#pragma omp barrier
+                    residual_add(hidden, tmp, L->ln_ff_out, M, H, eps, alpha, c0, c1);
+                } else {
+                    linear_tiles(L->wd, L->td, I, H, NULL, act, I, M, dsum, hidden, H, OUT_ADD,
+                                 alpha, o_t0, o_t1);
+                }
+            }
 #pragma omp barrier
         }
         int m0, m1;
         split(M, tid, nt, &m0, &m1);
         for (int m = m0; m < m1; m++)
-            rms_norm(hidden + (size_t)m * H, final_norm, H, md->eps, out + (size_t)m * H);
+            rms_norm(hidden + (size_t)m * H, final_norm, H, eps, out + (size_t)m * H);
     }
 }
 
@@ -145,28 +210,28 @@ int trillm_linear(const void *w, int wtype, int K, int N, const float *x, int M,
 #pragma omp barrier
         }
         split((N + 15) / 16, tid, nt, &t0, &t1);
-        linear_tiles(w, wtype, K, N, NULL, x, K, M, xsum, out, N, OUT_STORE, t0, t1);
+        linear_tiles(w, wtype, K, N, NULL, x, K, M, xsum, out, N, OUT_STORE, 1.0f, t0, t1);
     }
     free(xsum);
     return 0;
 }
 
 /* One layer's attention for the torch forward's steps (the linears there are oneDNN's):
- * `attention_tasks` over M tokens on `threads` threads, the rotary angles given (`cos_`,
- * `sin_` [M, rope_stride], float32). `rows` (NULL: token m is sequence m) and `context_lens`
- * per token, as `struct tl_step` says. With `prompts` some token reads keys another token of
- * the step stores: all K/V are stored first, then every token attends.
+ * `attention_tasks` over M tokens on `threads` threads, with `layer`'s q/k norms, rotary
+ * table and window. `rope_rows`, `slots`, `rows` (NULL: token m is sequence m) and
+ * `context_lens` per token, as `struct tl_step` says. With `prompts` some token reads keys
+ * another token of the step stores: all K/V are stored first, then every token attends.
  *
  * Why in C for prompts too: torch ran one SDPA per prompt and layer (480 calls in a step of
  * 16 prompts of 128 tokens on SmolLM2: 148-180 ms of 1.3 s, prefill_profile.py --top); this
  * reads each prompt's keys in place, all prompts in one call. */
-void trillm_attention(const struct tl_model *md, void *k_cache, void *v_cache,
-                      const float *qkv, const float *cos_, const float *sin_, int rope_stride,
+void trillm_attention(const struct tl_model *md, const struct tl_layer *layer, void *k_cache,
+                      void *v_cache, const float *qkv, const int64_t *rope_rows,
                       const int64_t *slots, const int32_t *tables, int table_stride,
                       const int32_t *rows, const int32_t *context_lens, int M, int prompts,
                       float *out, int threads) {
-    const struct tl_step step = {k_cache, v_cache, qkv, cos_, sin_, rope_stride, table_stride,
-                                 slots, tables, rows, context_lens, out};
+    const struct tl_step step = {layer, k_cache, v_cache, qkv,          rope_rows,    slots,
+                                 tables, rows,   context_lens, table_stride, out};
     const int tasks = num_attention_tasks(md, M);
 #pragma omp parallel num_threads(threads)
     {

@@ -4,13 +4,49 @@
 
 #include "tl_vec.h"
 
-/* Rotate-half RoPE of one head: out[i] = x[i] cos[i] + x[i +- D/2] (-+ sin[i]). */
-static void rotate(const float *x, const float *cos_, const float *sin_, int D, float *out) {
-    int h = D / 2;
-    for (int i = 0; i < h; i++) {
-        out[i] = x[i] * cos_[i] - x[i + h] * sin_[i];
-        out[i + h] = x[i + h] * cos_[i] + x[i] * sin_[i];
+/* Head `h` of one token's q or k projection `x` [heads][D] into `out` [D]: RMS-normed by
+ * `norm` (QK_HEAD: its own D values, `norm` [D]; QK_PROJECTION: `inv` is the whole
+ * projection's 1 / rms, `norm` the projection's [heads * D]; NULL: not normed), then rotate-half
+ * RoPE over its first `rd` dims by `c`, `s` [rd / 2] (cos and sin; NULL: no rotary). */
+static void head_in(const float *x, int h, int D, const float *norm, int mode, float inv,
+                    float eps, const float *c, const float *s, int rd, float *out) {
+    const float *xh = x + (size_t)h * D;
+    if (norm) {
+        const float *w = mode == QK_PROJECTION ? norm + (size_t)h * D : norm;
+        if (mode != QK_PROJECTION) inv = 1.0f / sqrtf(dot(xh, xh, D) / (float)D + eps);
+        for (int i = 0; i < D; i++) out[i] = w[i] * (xh[i] * inv);
+    } else {
+        memcpy(out, xh, sizeof(float) * (size_t)D);
     }
+    if (!c) return;
+    const int r = rd / 2;
+    for (int i = 0; i < r; i++) {
+        float a = out[i], b = out[i + r];
+        out[i] = a * c[i] - b * s[i];
+        out[i + r] = b * c[i] + a * s[i];
+    }
+}
+
+/* Half a row of a rotary table (`rd` elements a row, from `offset`), as float32: in place, or
+ * converted into `buf` from bfloat16. */
+static inline const float *rope_row(const void *table, int ctype, int64_t row, int rd,
+                                    int offset, float *buf) {
+    size_t at = (size_t)row * rd + (size_t)offset;
+    if (ctype == TL_F32) return (const float *)table + at;
+    const uint16_t *h = (const uint16_t *)table + at;
+    for (int i = 0; i < rd / 2; i++) buf[i] = bf16_to_f32(h[i]);
+    return buf;
+}
+
+/* The first key a query of context `ctx` (its own the last) reads: all of them, or the last
+ * `window`. */
+static inline int first_key(int ctx, int window) {
+    return window > 0 && ctx > window ? ctx - window : 0;
+}
+
+/* Scores soft-capped: cap * tanh(score / cap) (cap 0: as they are). */
+static inline float cap_score(float score, float cap) {
+    return cap > 0.0f ? cap * tanhf(score / cap) : score;
 }
 
 /* Key or value `j` of kv head `g` from the cache, as float32 into `buf` (or in place). */
@@ -34,21 +70,22 @@ static void cache_store(void *cache, int ctype, int64_t slot, int Hkv, int g, in
     for (int i = 0; i < D; i++) h[i] = f32_to_bf16(x[i]);
 }
 
-/* One query head against its sequence's `ctx - 1` cached keys and the new key (k, v):
- * online softmax over chunks of 64 keys. `work`: 64 + 2 * D floats. */
+/* One query head against its sequence's `ctx - 1` cached keys and the new key (k, v), or the
+ * last `window` of them: online softmax over chunks of 64 keys, scores soft-capped by `cap`.
+ * `work`: 64 + 2 * D floats. */
 static void attend(const float *q, const float *k, const float *v, const void *kc,
-                   const void *vc, int ctype, const int32_t *table, int ctx, int B, int Hkv,
-                   int g, int D, float scale, float *out, float *work) {
+                   const void *vc, int ctype, const int32_t *table, int ctx, int window, int B,
+                   int Hkv, int g, int D, float scale, float cap, float *out, float *work) {
     float *scores = work, *kbuf = work + 64, *vbuf = work + 64 + D;
     float run_max = -INFINITY, run_sum = 0.0f;
     for (int i = 0; i < D; i++) out[i] = 0.0f;
-    for (int j0 = 0; j0 < ctx; j0 += 64) {
+    for (int j0 = first_key(ctx, window); j0 < ctx; j0 += 64) {
         int n = ctx - j0 < 64 ? ctx - j0 : 64;
         float chunk_max = -INFINITY;
         for (int c = 0; c < n; c++) {
             int j = j0 + c;
             const float *key = j == ctx - 1 ? k : cache_row(kc, ctype, table, j, B, Hkv, g, D, kbuf);
-            scores[c] = dot(q, key, D) * scale;
+            scores[c] = cap_score(dot(q, key, D) * scale, cap);
             chunk_max = scores[c] > chunk_max ? scores[c] : chunk_max;
         }
         float new_max = chunk_max > run_max ? chunk_max : run_max;
@@ -102,12 +139,13 @@ static inline f32x16 reduce16(const f32x16 *v) {
 
 /* The `group` query heads `q` [group][D] of one kv head against its sequence's `ctx - 1`
  * cached keys and the new key (k, v), 16 keys at a time: each key is read once for the
- * whole group, its 16 scores come out of one `reduce16`, online softmax per head. D % 16 ==
- * 0. `out` [group][D]; `work`: WORK_FLOATS(D). */
+ * whole group, its 16 scores come out of one `reduce16`, online softmax per head. A sliding
+ * layer (`window` > 0) starts at its window's first key, so the keys before it are never
+ * read; scores soft-capped by `cap`. D % 16 == 0. `out` [group][D]; `work`: WORK_FLOATS(D). */
 static void attend_group(const float *q, int group, const float *k, const float *v,
                          const void *kc, const void *vc, int ctype, const int32_t *table,
-                         int ctx, int B, int Hkv, int g, int D, float scale, float *out,
-                         float *work) {
+                         int ctx, int window, int B, int Hkv, int g, int D, float scale,
+                         float cap, float *out, float *work) {
     float *kbuf = work, *vbuf = work + 16 * D, *zeros = work + 32 * D;
     float run_max[MAX_GROUP], run_sum[MAX_GROUP];
     for (int hh = 0; hh < group; hh++) {
@@ -117,7 +155,7 @@ static void attend_group(const float *q, int group, const float *k, const float 
     memset(out, 0, sizeof(float) * (size_t)group * D);
     memset(zeros, 0, sizeof(float) * (size_t)D);
     const size_t row = (size_t)Hkv * D, esize = ctype == TL_F32 ? 4 : 2;
-    for (int j0 = 0; j0 < ctx; j0 += 16) {
+    for (int j0 = first_key(ctx, window); j0 < ctx; j0 += 16) {
         int n = ctx - j0 < 16 ? ctx - j0 : 16;
         const float *kp[16], *vp[16];
         /* The next 16 keys' and values' rows, fetched while these are used: a row of head g
@@ -167,6 +205,7 @@ static void attend_group(const float *q, int group, const float *k, const float 
                 for (int c = 0; c < 16; c++) acc[c] += qv * load_f32(kp[c] + i);
             }
             f32x16 scores = reduce16(acc) * scale;
+            if (cap > 0.0f) scores = tanh16(scores / cap) * cap;
             const f32x16 minus_inf = (f32x16){0} - INFINITY;
             scores = (f32x16)(((i32x16)scores & valid) | ((i32x16)minus_inf & ~valid));
             float chunk_max = hmax(scores);
@@ -189,59 +228,75 @@ static void attend_group(const float *q, int group, const float *k, const float 
     }
 }
 
-/* One step's attention inputs. `qkv` [M, q + 2 kv] (queries and keys not yet rotated),
- * `out` [M, q]. Token m is rotated by row m of `cos_`/`sin_` (`rope_stride` apart, the first
- * head_dim / 2 used), stores its K/V at `slots[m]` and attends to the `context_lens[m]` tokens
- * (its own the last) whose blocks row `rows[m]` of `tables` lists (row m when `rows` is NULL:
- * one token per sequence). */
+/* One step's attention inputs for one layer. `qkv` [M, q + 2 kv] (queries and keys not yet
+ * normed or rotated), `out` [M, q]. Token m is rotated by row `rope_rows[m]` of the layer's
+ * rotary table, stores its K/V at `slots[m]` and attends to the `context_lens[m]` tokens (its
+ * own the last) whose blocks row `rows[m]` of `tables` lists (row m when `rows` is NULL: one
+ * token per sequence). */
 struct tl_step {
+    const struct tl_layer *layer;
     void *k_cache, *v_cache;
-    const float *qkv, *cos_, *sin_;
-    int rope_stride, table_stride;
-    const int64_t *slots;
+    const float *qkv;
+    const int64_t *rope_rows, *slots;
     const int32_t *tables, *rows, *context_lens;
+    int table_stride;
     float *out;
 };
 
 enum { ATT_STORE = 1, ATT_ATTEND = 2, ATT_BOTH = 3 }; /* what `attention_tasks` does */
 
-/* Tasks t0, t0 + stride, ... < t1 of `num_attention_tasks`: rotate the new key and store the
- * K/V (ATT_STORE), rotate the queries and attend over the cache and the new key
- * (ATT_ATTEND). With head_dim % 16 == 0 a task is a token's kv head and its query group
- * (`attend_group`), else a token's query head (`attend`). A step whose tokens read keys that
- * other tokens of it store (a prompt's) stores them all first, then attends (`trillm_attention`).
- * `work`: WORK_FLOATS(head_dim). */
+/* 1 / rms of n floats (an RMS norm's factor). */
+static inline float inv_rms(const float *x, int n, float eps) {
+    return 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
+}
+
+/* Tasks t0, t0 + stride, ... < t1 of `num_attention_tasks`: norm and rotate the new key and
+ * store the K/V (ATT_STORE), norm and rotate the queries and attend over the cache and the
+ * new key (ATT_ATTEND). With head_dim % 16 == 0 a task is a token's kv head and its query
+ * group (`attend_group`), else a token's query head (`attend`). A step whose tokens read keys
+ * that other tokens of it store (a prompt's) stores them all first, then attends
+ * (`trillm_attention`). `work`: WORK_FLOATS(head_dim). */
 static void attention_tasks(const struct tl_model *md, const struct tl_step *st, int t0, int t1,
                             int stride, int mode, float *work) {
     const int D = md->head_dim, NH = md->num_heads, NKV = md->num_kv_heads, group = NH / NKV;
     const int Q = NH * D, KV = NKV * D, NQKV = Q + 2 * KV, grouped = D % 16 == 0;
-    float *attn_work = work + (4 + MAX_GROUP) * D, *qrot = work, *krot = work + MAX_GROUP * D;
+    const int rd = md->rotary_dim, ct = md->cache_type;
+    const struct tl_layer *L = st->layer;
+    const int whole = md->qk_norm == QK_PROJECTION && L->q_norm; /* norms over all heads */
+    float *qrot = work, *krot = work + MAX_GROUP * D, *cbuf = krot + D, *sbuf = cbuf + D;
+    float *attn_work = work + (4 + MAX_GROUP) * D;
     for (int task = t0; task < t1; task += stride) {
         int per = grouped ? NKV : NH, m = task / per;
         int g = grouped ? task % per : (task % per) / group, h0 = grouped ? g * group : task % per;
         int heads = grouped ? group : 1;
-        const float *row = st->qkv + (size_t)m * NQKV;
-        const float *c = st->cos_ + (size_t)m * st->rope_stride;
-        const float *s = st->sin_ + (size_t)m * st->rope_stride;
-        const float *v = row + Q + KV + (size_t)g * D;
         if (!(mode & ATT_ATTEND) && h0 % group) continue; /* another task stores its K/V */
-        rotate(row + Q + (size_t)g * D, c, s, D, krot);
+        const float *row = st->qkv + (size_t)m * NQKV;
+        const float *c = NULL, *s = NULL, *v = row + Q + KV + (size_t)g * D;
+        if (L->rope_cos) {
+            c = rope_row(L->rope_cos, ct, st->rope_rows[m], rd, 0, cbuf);
+            s = rope_row(L->rope_sin, ct, st->rope_rows[m], rd, rd / 2, sbuf);
+        }
+        float kinv = whole ? inv_rms(row + Q, KV, md->eps) : 0.0f;
+        head_in(row + Q, g, D, L->k_norm, md->qk_norm, kinv, md->eps, c, s, rd, krot);
         if ((mode & ATT_STORE) && h0 % group == 0) {
-            cache_store(st->k_cache, md->cache_type, st->slots[m], NKV, g, D, krot);
-            cache_store(st->v_cache, md->cache_type, st->slots[m], NKV, g, D, v);
+            cache_store(st->k_cache, ct, st->slots[m], NKV, g, D, krot);
+            cache_store(st->v_cache, ct, st->slots[m], NKV, g, D, v);
         }
         if (!(mode & ATT_ATTEND)) continue;
+        float qinv = whole ? inv_rms(row, Q, md->eps) : 0.0f;
         for (int hh = 0; hh < heads; hh++)
-            rotate(row + (size_t)(h0 + hh) * D, c, s, D, qrot + (size_t)hh * D);
+            head_in(row, h0 + hh, D, L->q_norm, md->qk_norm, qinv, md->eps, c, s, rd,
+                    qrot + (size_t)hh * D);
         const int32_t *table = st->tables + (size_t)(st->rows ? st->rows[m] : m) * st->table_stride;
         float *o = st->out + (size_t)m * Q + (size_t)h0 * D;
+        int ctx = st->context_lens[m];
         if (grouped)
-            attend_group(qrot, group, krot, v, st->k_cache, st->v_cache, md->cache_type, table,
-                         st->context_lens[m], md->block_size, NKV, g, D, md->scale, o,
+            attend_group(qrot, group, krot, v, st->k_cache, st->v_cache, ct, table, ctx,
+                         L->window, md->block_size, NKV, g, D, md->scale, md->softcap, o,
                          attn_work);
         else
-            attend(qrot, krot, v, st->k_cache, st->v_cache, md->cache_type, table,
-                   st->context_lens[m], md->block_size, NKV, g, D, md->scale, o, attn_work);
+            attend(qrot, krot, v, st->k_cache, st->v_cache, ct, table, ctx, L->window,
+                   md->block_size, NKV, g, D, md->scale, md->softcap, o, attn_work);
     }
 }
 

@@ -227,11 +227,12 @@ static void group_sums(const float *x, int ldx, int M, int K, float *xsum) {
 
 enum { OUT_STORE = 0, OUT_ADD = 1 };
 
-/* out[m, n] (=|+=) x[m] . w[n] + bias[n] for the tiles [t0, t1) and every token m < M;
- * rows n >= N (the last tile's padding) are not written. `xsum`: `group_sums` of x (Q4). */
+/* out[m, n] = (OUT_STORE) or += alpha * (OUT_ADD) x[m] . w[n] + bias[n] for the tiles
+ * [t0, t1) and every token m < M; rows n >= N (the last tile's padding) are not written.
+ * `xsum`: `group_sums` of x (Q4). */
 static void linear_tiles(const void *w, int wtype, int K, int N, const float *bias,
                          const float *x, int ldx, int M, const float *xsum, float *out, int ldo,
-                         int mode, int t0, int t1) {
+                         int mode, float alpha, int t0, int t1) {
     f32x16 acc[2][MAX_ROWS];
     const int G = wtype == TL_Q4 ? K / 32 : 0, dense = wtype == TL_F32 || wtype == TL_BF16;
     for (int t = t0; t < t1;) {
@@ -252,7 +253,7 @@ static void linear_tiles(const void *w, int wtype, int K, int N, const float *bi
                     float *o = out + (size_t)(m + i) * ldo + n0;
                     for (int r = 0; r < width; r++) {
                         float v = acc[p][i][r] + (bias ? bias[n0 + r] : 0.0f);
-                        o[r] = mode == OUT_ADD ? o[r] + v : v;
+                        o[r] = mode == OUT_ADD ? o[r] + alpha * v : v;
                     }
                 }
             }
@@ -262,25 +263,37 @@ static void linear_tiles(const void *w, int wtype, int K, int N, const float *bi
     }
 }
 
-/* act[m, j] = silu(gate[m, j]) * up[m, j], gate/up tiles interleaved (tile 2j, 2j + 1). */
+/* The gate's activation over 16 lanes: silu(g) = g / (1 + e^-g), or GELU's tanh form
+ * 0.5 g (1 + tanh(z)), z = sqrt(2 / pi) (g + 0.044715 g^3), written g / (1 + e^-2z) (the
+ * same function; no cancellation at 1 + tanh(z) ~ 0), times up. */
+static inline f32x16 gated16(f32x16 g, f32x16 u, int act) {
+    f32x16 t = act == ACT_GELU_TANH ? 1.5957691216057308f * (g + 0.044715f * g * g * g) : g;
+    return g / (exp16(-t) + 1.0f) * u;
+}
+
+/* act[m, j] = act(gate[m, j]) * up[m, j] for the 16-wide columns [j0, j1): gate/up tiles
+ * interleaved (tile 2j, 2j + 1; the dense MLP's), or in two halves (j, I / 16 + j: a GGUF
+ * expert's, as `pack_quantized` keeps it). */
 static void gate_up_tiles(const void *w, int wtype, int K, const float *x, int ldx, int M,
-                          const float *xsum, float *act, int I, int j0, int j1) {
+                          const float *xsum, float *act, int I, int j0, int j1, int kind,
+                          int interleaved) {
     f32x16 g[MAX_ROWS], u[MAX_ROWS];
-    const int G = wtype == TL_Q4 ? K / 32 : 0;
+    const int G = wtype == TL_Q4 ? K / 32 : 0, dense = wtype == TL_F32 || wtype == TL_BF16;
     for (int j = j0; j < j1; j++) {
+        const int gt = interleaved ? 2 * j : j, ut = interleaved ? 2 * j + 1 : I / 16 + j;
         for (int m = 0; m < M;) {
             const float *xm = x + (size_t)m * ldx, *sm = xsum ? xsum + (size_t)m * G : NULL;
             int done;
-            if ((wtype == TL_F32 || wtype == TL_BF16) && M - m >= 4) {
+            if (interleaved && dense && M - m >= 4) {
                 int fetch = m == 0 && j + 1 < j1; /* the first block: see pair_dot */
-                done = pair_dot(w, wtype, K, 2 * j, xm, ldx, M - m, g, u, fetch);
+                done = pair_dot(w, wtype, K, gt, xm, ldx, M - m, g, u, fetch);
             } else {
-                done = tile_dot(w, wtype, K, 2 * j, xm, ldx, sm, G, M - m, g);
-                tile_dot(w, wtype, K, 2 * j + 1, xm, ldx, sm, G, done, u);
+                done = tile_dot(w, wtype, K, gt, xm, ldx, sm, G, M - m, g);
+                tile_dot(w, wtype, K, ut, xm, ldx, sm, G, done, u);
             }
             for (int i = 0; i < done; i++) {
-                f32x16 silu = g[i] / (exp16(-g[i]) + 1.0f) * u[i];
-                memcpy(act + (size_t)(m + i) * I + j * 16, &silu, sizeof silu);
+                f32x16 a = gated16(g[i], u[i], kind);
+                memcpy(act + (size_t)(m + i) * I + j * 16, &a, sizeof a);
             }
             m += done;
         }

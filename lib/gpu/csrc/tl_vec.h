@@ -28,21 +28,42 @@ enum { TL_F32 = 0, TL_BF16 = 1, TL_Q4 = 2, TL_Q8 = 3 };
 #define Q4_GROUP 320 /* bytes of a Q4 tile's 32-k group: d[16], m[16] float16, 256 of nibbles */
 #define Q8_GROUP 544 /* bytes of a Q8 tile's 32-k group: d[16] float16, 32 x 16 int8 */
 
-/* One decoder layer; weights tiled (see above) of the types `tqkv`..., norms and biases
- * float32. */
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };       /* the MLP gate's activation */
+enum { QK_NONE = 0, QK_HEAD = 1, QK_PROJECTION = 2 }; /* where q and k are RMS-normed */
+
+/* One decoder layer; weights tiled (see above) of the types `tqkv`..., norms (their
+ * (offset + weight) scales) and biases float32, NULL where the layer has none.
+ *
+ * The block's norms: `ln1` before attention and `ln2` before the MLP (Llama's two; OLMo 2 has
+ * neither), `ln_attn_out` and `ln_ff_out` on each block's output before the residual add
+ * (Gemma's sandwich, OLMo 2). `q_norm`, `k_norm`: per head ([head_dim]) or over the whole
+ * projection, as `tl_model.qk_norm` says. `rope_cos`, `rope_sin`: the layer's rotary table
+ * (the model's `RotaryEmbedding.cos` / `.sin`, in the cache's type, rows of rotary_dim: cos |
+ * cos and -sin | sin), NULL for a layer without rotary. `window` > 0: a query at position p
+ * reads keys p - window < j <= p. With `router` set the MLP is a mixture of experts (`tl_moe.h`):
+ * the router's tiles [num_experts rows], each expert's gate/up and down tiles. */
 struct tl_layer {
-    const float *ln1, *ln2;
+    const float *ln1, *ln2, *ln_attn_out, *ln_ff_out, *q_norm, *k_norm;
     const void *wqkv, *wo, *wgu, *wd;
-    const float *bqkv, *bo; /* NULL when the model has none */
+    const float *bqkv, *bo;
+    const void *rope_cos, *rope_sin;
+    const void *router;
+    const void *const *expert_gu, *const *expert_down; /* [num_experts] */
     void *k_cache, *v_cache; /* [blocks, block_size, kv_heads, head_dim], cache_type */
-    int32_t tqkv, to, tgu, td;
+    int32_t tqkv, to, tgu, td, trouter, tegu, ted;
+    int32_t egu_interleaved; /* expert gate/up tiles: interleaved (2j, 2j + 1), or [gate | up] */
+    int32_t window;
 };
 
+/* The model's shape and the operations its family chooses. `scale`: of q.k; `softcap` > 0:
+ * scores are softcap * tanh(score / softcap); `residual`: each block's output is multiplied
+ * by it before the add (Granite). Experts: `num_experts` of `expert_intermediate`, `top_k` a
+ * token, their router weights renormalised to sum 1 when `renormalize`. */
 struct tl_model {
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
-    int32_t cache_type;
-    float eps, scale;
-    const float *inv_freq; /* [head_dim / 2] */
+    int32_t cache_type, qk_norm, rotary_dim, act;
+    int32_t num_experts, top_k, expert_intermediate, renormalize;
+    float eps, scale, softcap, residual;
 };
 
 static inline f32x16 load_f32(const float *p) {
@@ -128,6 +149,10 @@ static inline f32x16 exp16(f32x16 x) {
     return p * (f32x16)((n + 127) << 23);
 }
 
+/* tanh over 16 lanes, 1 - 2 / (e^2x + 1): exact at the saturated ends (exp16 clamps), and
+ * ~1e-7 off in absolute terms near 0, where soft-capping multiplies it by the cap. */
+static inline f32x16 tanh16(f32x16 x) { return 1.0f - 2.0f / (exp16(x + x) + 1.0f); }
+
 static inline float dot(const float *a, const float *b, int D) {
     f32x16 acc = {0};
     int i = 0;
@@ -177,6 +202,12 @@ static inline f32x16 u8_to_f32(u8x16 b) {
  * q = (q ^ 0x80) - 128. */
 static inline f32x16 i8_to_f32(i8x16 b) {
     return u8_to_f32((u8x16)b ^ 0x80) - 128.0f;
+}
+
+/* [lo, hi): thread tid's share of n items among nt. */
+static inline void split(int n, int tid, int nt, int *lo, int *hi) {
+    *lo = (int)((int64_t)n * tid / nt);
+    *hi = (int)((int64_t)n * (tid + 1) / nt);
 }
 
 static void rms_norm(const float *x, const float *weight, int H, float eps, float *out) {
