@@ -22,6 +22,7 @@ import trio
 from .. import __version__
 from ..engine.client import (
     AsyncLLM,
+    ChatTemplateError,
     EngineDeadError,
     EngineRestartingError,
     PromptTooLongError,
@@ -126,6 +127,10 @@ class App:
         except PromptTooLongError as exc:
             await self._respond(
                 send, 400, error_body(RequestError(400, str(exc), param="max_tokens")), extra
+            )
+        except ChatTemplateError as exc:  # before any stream starts: the prompt is rendered first
+            await self._respond(
+                send, 400, error_body(RequestError(400, str(exc), param="messages")), extra
             )
         except StructuredOutputError as exc:
             await self._respond(

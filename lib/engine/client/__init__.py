@@ -12,6 +12,7 @@ from ..protocol import RemoteError as RemoteError
 from ._async_llm import AsyncLLM as AsyncLLM
 from ._async_llm import open_llm as open_llm
 from ._config import LLMConfig as LLMConfig
+from ._errors import ChatTemplateError as ChatTemplateError
 from ._errors import EngineDeadError as EngineDeadError
 from ._errors import EngineRestartingError as EngineRestartingError
 from ._errors import PromptTooLongError as PromptTooLongError

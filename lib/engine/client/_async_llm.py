@@ -165,7 +165,12 @@ class AsyncLLM:
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
         """The chat template (`LLMConfig.chat_template`, else the model's) over `messages`,
-        ready for a reply, as token ids; `tools` go to a template that reads them."""
+        ready for a reply, as token ids; `tools` go to a template that reads them.
+
+        Raises:
+            ChatTemplateError: the model has no chat template, or it refused the messages
+                (Gemma 2's "System role not supported") or failed on them.
+        """
         return self._inputs.chat_ids(self._inputs.render_chat(messages, tools))
 
     @property
@@ -178,7 +183,11 @@ class AsyncLLM:
     async def chat(
         self, messages: list[dict[str, Any]], params: SamplingParams | None = None
     ) -> AsyncIterator[RequestStream]:
-        """`generate` on the chat template applied to `messages`."""
+        """`generate` on the chat template applied to `messages`.
+
+        Raises:
+            ChatTemplateError: the template refused the messages; nothing was sent.
+        """
         async with self.generate(self.apply_chat_template(messages), params) as stream:
             yield stream
 

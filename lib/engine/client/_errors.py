@@ -1,4 +1,5 @@
-"""The frontend's errors, named by cause: the engine died, a prompt does not fit."""
+"""The frontend's errors, named by cause: the engine died, a prompt does not fit, the chat
+template refused the messages."""
 
 from __future__ import annotations
 
@@ -44,3 +45,10 @@ class RequestFailedError(ValueError):
 
 class PromptTooLongError(ValueError):
     """The prompt plus max_tokens exceed the engine's max model length."""
+
+
+class ChatTemplateError(ValueError):
+    """The chat template refused the messages (its own `raise_exception`, as Gemma 2's "System
+    role not supported" or Mistral's role alternation) or failed on them (an undefined name, a
+    type error), or the model has none: the caller's 400, naming the template's words; nothing
+    was sent to the engine."""

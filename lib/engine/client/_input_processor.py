@@ -11,9 +11,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import jinja2
+
 from ..protocol import _messages as P
 from ._detokenizer import IncrementalDetokenizer, StopChecker
-from ._errors import PromptTooLongError
+from ._errors import ChatTemplateError, PromptTooLongError
 from ._output_processor import RequestState
 from ._outputs import Mailbox
 from ._sampling_params import SamplingParams
@@ -66,14 +68,30 @@ class InputProcessor:
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> str:
         """The chat template over `messages`, ready for the assistant's reply, as text;
-        `tools` go to a template that reads them."""
-        text: str = self.tokenizer.apply_chat_template(
-            messages,
-            tools=tools,
-            chat_template=self._chat_template,
-            tokenize=False,
-            add_generation_prompt=True,
-        )
+        `tools` go to a template that reads them.
+
+        Raises:
+            ChatTemplateError: the model has no chat template, or the template refused the
+                messages (its `raise_exception`) or failed on them; the message quotes it.
+        """
+        if self._chat_template is None and not self.tokenizer.chat_template:
+            raise ChatTemplateError(
+                "the model has no chat template (no chat_template in its tokenizer_config.json, "
+                "no chat_template.jinja): give one with --chat-template FILE "
+                "(LLMConfig.chat_template), or send a plain prompt instead of messages"
+            )
+        try:
+            text: str = self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                chat_template=self._chat_template,
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+        except Exception as exc:
+            # The template is the model's code run on the caller's messages: whatever it
+            # raises fails this request, never the server.
+            raise _template_error(exc) from exc
         return text
 
     def chat_ids(self, text: str) -> list[int]:
@@ -99,3 +117,14 @@ class InputProcessor:
             logprobs=params.logprobs,
             arrival_time=time.monotonic(),
         )
+
+
+def _template_error(exc: Exception) -> ChatTemplateError:
+    """What the chat template raised, as the caller's error: its own words when it refused the
+    messages, else the failure's kind and message."""
+    if type(exc) is jinja2.TemplateError:  # exactly what the template's raise_exception raises
+        return ChatTemplateError(f"the chat template refused the messages: {exc}")
+    where = f" (line {exc.lineno})" if isinstance(exc, jinja2.TemplateSyntaxError) else ""
+    return ChatTemplateError(
+        f"the chat template could not render the messages: {type(exc).__name__}: {exc}{where}"
+    )

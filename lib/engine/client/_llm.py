@@ -130,7 +130,12 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """`generate` on the chat template (`chat_template`, else the model's) applied to one
-        conversation or to each of a sequence of them, ready for the assistant's reply."""
+        conversation or to each of a sequence of them, ready for the assistant's reply.
+
+        Raises:
+            ChatTemplateError: the template refused a conversation (Gemma 2's "System role not
+                supported") or failed on it; nothing of the batch was sent.
+        """
         self._check_open()
         one = bool(messages) and isinstance(messages[0], Mapping)
         conversations: Sequence[Conversation] = [messages] if one else messages  # type: ignore[list-item,assignment]
