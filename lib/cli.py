@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from . import __version__
+
+if TYPE_CHECKING:
+    from .http._server import ServerConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
         "TP across --nnodes machines, TP / nnodes ranks each: node 0 runs the server, the "
         "engine and ranks 0..L-1; node k runs `trillm serve MODEL --headless --node-rank k` "
         "with the same flags. Collectives meet at --master-addr:--master-port (torch."
-        "distributed), the engine's broadcast at --master-port + 1.",
+        "distributed), the engine's broadcast at --master-port + 1. Both carry prompts and "
+        "activations in clear: keep them on a private network or a tunnel (WireGuard, "
+        "ssh -L; docs/deploy.md). Nodes join the broadcast only with a shared node token "
+        "(--node-token-file or TRILLM_NODE_TOKEN).",
     )
     nodes.add_argument("--nnodes", type=int, default=1, help="machines in the TP group")
     nodes.add_argument("--node-rank", type=int, default=0, help="this machine's index (0: server)")
@@ -90,6 +97,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--headless",
         action="store_true",
         help="run only this node's worker ranks (no server, no engine): nodes with --node-rank > 0",
+    )
+    nodes.add_argument(
+        "--node-token-file",
+        metavar="FILE",
+        help="a file holding the secret every node shares (e.g. `openssl rand -hex 32 > FILE; "
+        "chmod 600 FILE`): a node joins the broadcast only by proving it (HMAC-SHA256 over a "
+        "fresh challenge). Or set TRILLM_NODE_TOKEN. Required with --nnodes > 1 unless "
+        "--insecure-node-link",
+    )
+    nodes.add_argument(
+        "--node-token",
+        metavar="TOKEN",
+        help="the node token itself; visible to every user in `ps`: prefer --node-token-file "
+        "or TRILLM_NODE_TOKEN",
+    )
+    nodes.add_argument(
+        "--insecure-node-link",
+        action="store_true",
+        help="let nodes join without a node token: anyone who reaches --master-port + 1 can "
+        "then join as a node and read every prompt (only on a network that no one else "
+        "reaches)",
     )
     nodes.add_argument(
         "--distributed-timeout",
@@ -112,8 +140,35 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-memory-bytes", type=int, default=1 << 30, help="the KV cache budget on CPU"
     )
     serve.add_argument("--seed", type=int, default=0)
-    serve.add_argument("--api-key", default=os.environ.get("TRILLM_API_KEY"))
-    serve.add_argument("--max-queued-requests", type=int, default=1024)
+    serve.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on every route but /health; visible to every "
+        "user in `ps`: prefer --api-key-file or TRILLM_API_KEY",
+    )
+    serve.add_argument(
+        "--api-key-file",
+        metavar="FILE",
+        help="a file (mode 0600) whose first line is the API key; or set TRILLM_API_KEY",
+    )
+    serve.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="completions admitted and not finished, each prompt x n counted; beyond: 429",
+    )
+    serve.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=1024,
+        help="prompts x n in one request (a completions batch); beyond: 400",
+    )
+    serve.add_argument(
+        "--request-body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request body may take to arrive; then 408 and the connection is "
+        "closed (0: no limit)",
+    )
     serve.add_argument("--shutdown-timeout", type=float, default=30.0)
     serve.add_argument(
         "--write-timeout",
@@ -139,6 +194,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(its open requests resume on it; new ones wait for it); past that, exit 1 as without",
     )
     serve.add_argument("--engine-restart-window", type=float, default=300.0, help="seconds")
+    serve.add_argument(
+        "--max-api-restarts",
+        type=int,
+        default=3,
+        help="run the API server in a child process and start it again, at most this often "
+        "within --api-restart-window, if it crashes (a signal, an uncaught exception; its open "
+        "requests are lost); 0: no child, the API server runs in this process",
+    )
+    serve.add_argument("--api-restart-window", type=float, default=300.0, help="seconds")
     serve.add_argument(
         "--engine-restart-wait",
         type=float,
@@ -177,9 +241,29 @@ def build_parser() -> argparse.ArgumentParser:
         "that request fails (400)",
     )
     serve.add_argument(
+        "--structured-outputs-max-depth",
+        type=int,
+        default=512,
+        help="how deep a request's JSON schema (objects on one path, $refs followed) or grammar "
+        "(rules on one chain of references) may nest; deeper is a 400, before the compiler "
+        "sees it (a chain of thousands overflows its stack)",
+    )
+    serve.add_argument(
+        "--structured-outputs-max-bytes",
+        type=int,
+        default=256 * 1024,
+        help="the largest JSON schema, regex or grammar a request may send; larger is a 400",
+    )
+    serve.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='allow tool_choice "auto": the model chooses between text and tool calls',
+    )
+    serve.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens (prompt tokens found in the "
+        "prefix cache); off, it is null: the count tells a client what others sent before",
     )
     serve.add_argument(
         "--tool-call-parser",
@@ -263,11 +347,10 @@ def raise_open_files_limit() -> None:
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    import trio
-
     from .gpu import WorkerConfig
     from .gpu._default_model import DEFAULT_MODEL_NAME, default_model_dir, find_default_gguf
-    from .http._server import build_config, run_server
+    from .http._api_key import read_api_key
+    from .http._server import build_config
 
     model = args.model
     if model is None:  # the built-in model: its GGUF file kept quantized, else the converted dir
@@ -306,8 +389,10 @@ def serve_main(args: argparse.Namespace) -> int:
         data_parallel_size=args.data_parallel_size,
         enable_prefix_caching=args.enable_prefix_caching,
         executor=args.executor,
-        api_key=args.api_key,
+        api_key=read_api_key(args.api_key, args.api_key_file, os.environ),
         max_queued_requests=args.max_queued_requests,
+        max_prompts_per_request=args.max_prompts_per_request,
+        request_body_timeout=args.request_body_timeout,
         shutdown_timeout=args.shutdown_timeout,
         write_timeout=args.write_timeout,
         stream_interval=args.stream_interval,
@@ -320,20 +405,68 @@ def serve_main(args: argparse.Namespace) -> int:
         engine_restart_wait=args.engine_restart_wait,
         engine_in_process=args.engine_in_process,
         structured_outputs_timeout=args.structured_outputs_timeout,
+        structured_outputs_max_depth=args.structured_outputs_max_depth,
+        structured_outputs_max_bytes=args.structured_outputs_max_bytes,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         chat_template=args.chat_template,
         enable_dev_endpoints=args.enable_dev_endpoints,
         profiler_dir=args.profiler_dir,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
+    from .engine.core import NODE_TOKEN_ENV, link_key, read_node_token
+
+    token = None
+    if args.nnodes > 1:  # the node link's secret: refused here, before anything starts
+        token = read_node_token(args.node_token, args.node_token_file, os.environ)
+        link_key(args.nnodes, token, insecure=args.insecure_node_link)
+    if args.insecure_node_link:
+        import dataclasses
+
+        import msgspec
+
+        engine = msgspec.structs.replace(config.llm.engine, insecure_node_link=True)
+        config = dataclasses.replace(config, llm=dataclasses.replace(config.llm, engine=engine))
     if args.headless:
         from .engine.core import run_node_agent
 
-        return run_node_agent(config.llm.engine)
+        return run_node_agent(config.llm.engine, node_token=token)
+    if token is not None:  # the engine process inherits it (not on its command line)
+        os.environ[NODE_TOKEN_ENV] = token.decode()
     raise_open_files_limit()
-    trio.run(run_server, config)
+    if args.max_api_restarts == 0:  # unsupervised: the API server runs in this process
+        return run_api_server(config)
+    from .http._supervisor import supervise
+
+    return supervise(
+        config, run_api_server, max_restarts=args.max_api_restarts, window=args.api_restart_window
+    )
+
+
+def run_api_server(config: ServerConfig) -> int:
+    """The API server until it stops: 0, or 1 for a failure it reports on stderr (the engine
+    did not start, or died past its restarts). Anything else is raised: a crash."""
+    import trio
+
+    from .http._server import run_server
+
+    try:
+        trio.run(run_server, config)
+    except Exception as exc:
+        if isinstance(exc, reported_errors()):
+            print(f"trillm serve: {exc}", file=sys.stderr)
+            return 1
+        raise
     return 0
+
+
+def reported_errors() -> tuple[type[Exception], ...]:
+    """The failures `trillm serve` reports in one line and exits 1 for (no traceback)."""
+    from .engine.client import EngineDeadError, EngineStartError
+    from .engine.core import NodeAgentError
+
+    return (EngineStartError, EngineDeadError, NodeAgentError, ValueError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -350,11 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return serve_main(args)
         except Exception as exc:
-            from .engine.client import EngineDeadError, EngineStartError
-            from .engine.core import NodeAgentError
-
-            errors = EngineStartError | EngineDeadError | NodeAgentError | ValueError
-            if isinstance(exc, errors):
+            if isinstance(exc, reported_errors()):
                 print(f"trillm serve: {exc}", file=sys.stderr)
                 return 1
             raise

@@ -90,6 +90,7 @@ def serving(setups: list[Setup], logs: Path) -> Iterator[list[Server]]:
             port = free_port()
             log = stack.enter_context(open(logs / f"{setup.name}.log", "wb"))
             command = [TRILLM, "serve", "--port", str(port), "-dp", str(setup.dp), *setup.flags]
+            command += ["--max-api-restarts", "0"]  # the pid is the API server's: its children
             process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, env=os.environ | setup.env
             )

@@ -136,6 +136,7 @@ def main() -> None:
                 "--executor", "null", "--null-step-time", str(step_time),
                 "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384",
                 "--max-queued-requests", "8192",
+                "--max-api-restarts", "0",  # the pid is the API server's, its child the engine
             ],
             stderr=subprocess.DEVNULL,
         )  # fmt: skip

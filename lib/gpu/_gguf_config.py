@@ -12,7 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._gguf_metadata import GGUFError, Metadata, float32
+from ._gguf_metadata import (
+    MAX_COUNT,
+    MAX_HEAD_DIM,
+    MAX_LENGTH,
+    MAX_VOCAB,
+    GGUFError,
+    Metadata,
+    float32,
+)
 
 Config = dict[str, Any]
 
@@ -23,13 +31,18 @@ def base_config(
     """The fields every family has, from `{arch}.*` keys llama.cpp's `TextModel` writes.
 
     Raises:
-        GGUFError: a required key is missing, or the rotary embedding covers part of each head
-            in a family whose Hugging Face config cannot say so.
+        GGUFError: a required key is missing, a size is out of range (`heads`), or the rotary
+            embedding covers part of each head in a family whose Hugging Face config cannot
+            say so.
     """
-    hidden = int(meta.require("embedding_length"))
-    n_head = int(meta.require("attention.head_count"))
-    head_dim = int(meta.get("attention.key_length", hidden // n_head))
-    rotary_dim = int(meta.get("rope.dimension_count", head_dim))
+    hidden = meta.count("embedding_length", MAX_LENGTH)
+    n_head, n_kv_head, head_dim = heads(meta, hidden)
+    rotary_dim = meta.count("rope.dimension_count", head_dim, default=head_dim)
+    if rotary_dim % 2:
+        raise GGUFError(
+            f"{meta.path}: metadata '{meta.arch}.rope.dimension_count' is {rotary_dim}; rotary "
+            "embeddings turn pairs of dims, so it must be even"
+        )
     if rotary_dim != head_dim and not partial_rotary:
         raise GGUFError(
             f"{meta.path}: partial rotary embeddings ({rotary_dim} of {head_dim} dims per head) "
@@ -38,16 +51,16 @@ def base_config(
     config: Config = {
         "architectures": [hf_class],
         "model_type": model_type,
-        "vocab_size": int(meta.get("vocab_size", meta.rows("token_embd.weight"))),
+        "vocab_size": meta.count("vocab_size", MAX_VOCAB, default=meta.rows("token_embd.weight")),
         "hidden_size": hidden,
-        "intermediate_size": int(meta.require("feed_forward_length")),
-        "num_hidden_layers": int(meta.require("block_count")),
+        "intermediate_size": meta.count("feed_forward_length", MAX_LENGTH),
+        "num_hidden_layers": meta.count("block_count", MAX_COUNT),
         "num_attention_heads": n_head,
-        "num_key_value_heads": int(meta.get("attention.head_count_kv", n_head)),
+        "num_key_value_heads": n_kv_head,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": float32(meta.require("attention.layer_norm_rms_epsilon")),
-        "max_position_embeddings": int(meta.require("context_length")),
+        "rms_norm_eps": meta.positive("attention.layer_norm_rms_epsilon"),
+        "max_position_embeddings": meta.count("context_length", MAX_LENGTH),
         "rope_parameters": rope_parameters(meta),
         "tie_word_embeddings": not meta.has("output.weight"),
         "bos_token_id": meta.general("tokenizer.ggml.bos_token_id"),
@@ -60,13 +73,39 @@ def base_config(
     return config
 
 
+def heads(meta: Metadata, hidden: int) -> tuple[int, int, int]:
+    """The query heads, key/value heads and head size, checked against each other.
+
+    Raises:
+        GGUFError: a count of 0 or above the cap, key/value heads that do not divide the
+            query heads, or no `attention.key_length` and a hidden size that is not a multiple
+            of the heads.
+    """
+    n_head = meta.count("attention.head_count", MAX_COUNT)
+    n_kv_head = meta.count("attention.head_count_kv", n_head, default=n_head)
+    if n_head % n_kv_head:
+        raise GGUFError(
+            f"{meta.path}: metadata '{meta.arch}.attention.head_count_kv' is {n_kv_head}, which "
+            f"does not divide '{meta.arch}.attention.head_count' {n_head}: every key/value head "
+            "serves the same number of query heads, so the file is damaged"
+        )
+    if meta.get("attention.key_length") is None and hidden % n_head:
+        raise GGUFError(
+            f"{meta.path}: metadata '{meta.arch}.embedding_length' {hidden} is not a multiple "
+            f"of '{meta.arch}.attention.head_count' {n_head}, and no "
+            f"'{meta.arch}.attention.key_length' says the head size"
+        )
+    head_dim = meta.count("attention.key_length", MAX_HEAD_DIM, default=hidden // n_head)
+    return n_head, n_kv_head, head_dim
+
+
 def rope_parameters(meta: Metadata, default_theta: float = 10000.0) -> Config:
     """`rope_parameters` from `{arch}.rope.freq_base` and `{arch}.rope.scaling.*`.
 
     Raises:
         GGUFError: a scaling type the converter cannot carry whole (longrope outside Phi-3).
     """
-    rope: Config = {"rope_theta": float32(meta.get("rope.freq_base", default_theta))}
+    rope: Config = {"rope_theta": meta.positive("rope.freq_base", default_theta)}
     kind = meta.get("rope.scaling.type")
     factor = meta.get("rope.scaling.factor")
     if kind is None and meta.get("rope.scale_linear") is not None:
@@ -83,7 +122,9 @@ def rope_parameters(meta: Metadata, default_theta: float = 10000.0) -> Config:
                 f"'{meta.arch}.rope.scaling.original_context_length'"
             )
         rope.update(rope_type="yarn", factor=float32(factor))
-        rope["original_max_position_embeddings"] = int(original)
+        rope["original_max_position_embeddings"] = meta.count(
+            "rope.scaling.original_context_length", MAX_LENGTH
+        )
         for ours, theirs in (
             ("yarn_beta_fast", "beta_fast"),
             ("yarn_beta_slow", "beta_slow"),
@@ -108,9 +149,14 @@ def llama(meta: Metadata, config: Config) -> Config:
 
 def mixtral(meta: Metadata, config: Config) -> Config:
     """Mixtral is llama.cpp's `llama` with experts: `llama.expert_count` and friends."""
-    config["num_local_experts"] = int(meta.require("expert_count"))
-    config["num_experts_per_tok"] = int(meta.require("expert_used_count"))
+    config["num_local_experts"], config["num_experts_per_tok"] = experts(meta)
     return config
+
+
+def experts(meta: Metadata) -> tuple[int, int]:
+    """The experts per MoE layer and those each token uses (1..the experts)."""
+    num_experts = meta.count("expert_count", MAX_COUNT)
+    return num_experts, meta.count("expert_used_count", num_experts)
 
 
 def qwen2(meta: Metadata, config: Config) -> Config:
@@ -124,10 +170,9 @@ def qwen3(meta: Metadata, config: Config) -> Config:
 def qwen3_moe(meta: Metadata, config: Config) -> Config:
     """Every layer is MoE (the converter maps no dense `mlp.*_proj` for qwen3moe), and llama.cpp
     renormalises the top-k router weights unless `expert_weights_norm` says otherwise."""
-    experts = int(meta.require("expert_count"))
-    config.update(num_experts=experts, num_local_experts=experts)
-    config["num_experts_per_tok"] = int(meta.require("expert_used_count"))
-    config["moe_intermediate_size"] = int(meta.require("expert_feed_forward_length"))
+    num_experts, config["num_experts_per_tok"] = experts(meta)
+    config.update(num_experts=num_experts, num_local_experts=num_experts)
+    config["moe_intermediate_size"] = meta.count("expert_feed_forward_length", MAX_LENGTH)
     config["norm_topk_prob"] = bool(meta.get("expert_weights_norm", True))
     config.update(decoder_sparse_step=1, mlp_only_layers=[])
     return _biases(meta, config, mlp=False)
@@ -168,7 +213,7 @@ def _gemma(meta: Metadata, config: Config, *, layers_27b: int, swa_period: int) 
 def gemma2(meta: Metadata, config: Config) -> Config:
     """llama.cpp's defaults where the keys are absent: a 4096 window, caps of 50 and 30."""
     _gemma(meta, config, layers_27b=46, swa_period=2)
-    config["sliding_window"] = int(meta.get("attention.sliding_window", 4096))
+    config["sliding_window"] = meta.count("attention.sliding_window", MAX_LENGTH, default=4096)
     config["attn_logit_softcapping"] = float32(meta.get("attn_logit_softcapping", 50.0))
     config["final_logit_softcapping"] = float32(meta.get("final_logit_softcapping", 30.0))
     return config
@@ -178,14 +223,14 @@ def gemma3(meta: Metadata, config: Config) -> Config:
     """Gemma 3's global layers take `rope.freq_base` and the scaling; its local ones a base of
     10000 (llama.cpp's constant, or `rope.freq_base_swa`) and none. No window: none slides."""
     _gemma(meta, config, layers_27b=62, swa_period=6)
-    window = meta.get("attention.sliding_window")
-    config["sliding_window"] = int(window) if window else None
+    window = meta.count("attention.sliding_window", MAX_LENGTH, default=0, at_least=0)
+    config["sliding_window"] = window or None
     if not window:
         config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
     config["attn_logit_softcapping"] = None
     cap = meta.get("final_logit_softcapping")
     config["final_logit_softcapping"] = float32(cap) if cap else None
-    local = float32(meta.get("rope.freq_base_swa", 10000.0))
+    local = meta.positive("rope.freq_base_swa", 10000.0)
     config["rope_parameters"] = {
         "full_attention": rope_parameters(meta, default_theta=1_000_000.0),
         "sliding_attention": {"rope_theta": local, "rope_type": "default"},
@@ -199,8 +244,8 @@ def phi3(meta: Metadata, config: Config) -> Config:
     head_dim = config.pop("head_dim")
     rotary_dim = int(meta.get("rope.dimension_count", head_dim))
     factor = rotary_dim / head_dim
-    original = int(meta.get("rope.scaling.original_context_length", 0)) or None
-    window = int(meta.get("attention.sliding_window", 0))
+    original = meta.count("rope.scaling.original_context_length", MAX_LENGTH, default=0, at_least=0)
+    window = meta.count("attention.sliding_window", MAX_LENGTH, default=0, at_least=0)
     config.update(partial_rotary_factor=factor, sliding_window=window or None)
     config["original_max_position_embeddings"] = original or config["max_position_embeddings"]
     rope: Config = {

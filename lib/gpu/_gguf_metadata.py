@@ -4,15 +4,26 @@ llama.cpp names an architecture's hyper-parameters `{arch}.{key}` (`qwen3.block_
 `gemma2.attention.sliding_window`) and the tokenizer's `tokenizer.ggml.*`. `Metadata` reads
 both, says which key is missing when a required one is, and lists the file's tensors, so the
 translation can tell a tied embedding or a biased projection by what the file holds.
+
+Sizes are checked as they are read (`count`, `positive`): a file is input, and a head count
+of 0 or a context of 2**40 must fail here, naming the key and the value, not as a
+ZeroDivisionError or an allocation of terabytes later. The caps are generous (the largest
+models published are far below them).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import gguf
 import numpy as np
+
+MAX_LENGTH: Final = 1 << 20  # embedding, feed-forward and context lengths, in elements
+MAX_COUNT: Final = 1 << 12  # layers, attention heads, experts
+MAX_HEAD_DIM: Final = 1 << 14
+MAX_VOCAB: Final = 1 << 24
 
 
 class GGUFError(ValueError):
@@ -70,6 +81,42 @@ class Metadata:
                 f"{self.path}: metadata key '{self.arch}.{key}' is missing; the file is incomplete"
             )
         return value
+
+    def count(self, key: str, limit: int, *, default: int | None = None, at_least: int = 1) -> int:
+        """`{arch}.{key}` (or `default` if absent) as a whole number in `at_least..limit`.
+
+        Raises:
+            GGUFError: the key is missing and has no default, or its value is not a whole
+                number in that range; the message names the key, the value and the range.
+        """
+        value = self.get(key, default)
+        if value is None:
+            self.require(key)  # raises: missing
+        is_whole = isinstance(value, int | np.integer) and not isinstance(value, bool)
+        if not is_whole or not at_least <= value <= limit:
+            raise GGUFError(
+                f"{self.path}: metadata '{self.arch}.{key}' is {value!r}; it must be a whole "
+                f"number in {at_least}..{limit}, so the file is damaged or not a model"
+            )
+        return int(value)
+
+    def positive(self, key: str, default: float | None = None) -> float:
+        """`{arch}.{key}` (or `default` if absent) as a finite number above 0, as float32 keeps
+        it (`float32`).
+
+        Raises:
+            GGUFError: missing without a default, not a number, 0, negative, inf or nan.
+        """
+        value = self.get(key, default)
+        if value is None:
+            self.require(key)  # raises: missing
+        is_number = isinstance(value, int | float | np.number) and not isinstance(value, bool)
+        if not is_number or not (math.isfinite(value) and value > 0):
+            raise GGUFError(
+                f"{self.path}: metadata '{self.arch}.{key}' is {value!r}; it must be a finite "
+                "number above 0, so the file is damaged or not a model"
+            )
+        return float32(value)
 
     def has(self, tensor: str) -> bool:
         return tensor in self.tensors

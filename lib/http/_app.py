@@ -1,9 +1,11 @@
 """The ASGI application: OpenAI routes over `AsyncLLM`, no framework in between.
 
-Every request: route, check the API key, read the body up to a limit (413 before buffering
-more), decode into a msgspec schema, run. Generation handlers watch `receive()` for the
-client's disconnect and cancel their stream, which aborts the request in the engine. Errors
-are OpenAI error objects; engine death becomes a 503 (or an error event in a stream).
+Every request: check the header block's size (431), the API key (401, before routing, so
+that no route can be found without it), route, read the body up to a limit (413 before
+buffering more) and a deadline (408), decode into a msgspec schema (large bodies off the
+loop), admit by work (429), run. Generation handlers watch `receive()` for the client's
+disconnect and cancel their stream, which aborts the request in the engine. Errors are
+OpenAI error objects; engine death becomes a 503 (or an error event in a stream).
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import math
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import msgspec.structs
 import trio
@@ -29,23 +32,23 @@ from ..engine.client import (
     RequestFailedError,
     StructuredOutputError,
 )
+from ._admission import Admission, Held
 from ._dev_endpoints import DevEndpoints
 from ._errors import RequestError, error_body, not_found, overloaded, too_large, unauthorized
 from ._generate import Generation
 from ._metrics import Metrics
+from ._offload import default_threads
 from ._schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    chat_template_messages,
     decode_request,
     detokenize_response,
     models_response,
     tokenize_response,
     version_response,
 )
-from ._tools import chat_messages
 
 
 class ClientDisconnected(Exception):
@@ -57,6 +60,10 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 log = logging.getLogger("trillm.http")
 JSON = [(b"content-type", b"application/json")]
+S = TypeVar("S")
+MAX_HEADER_BYTES = 16 << 10  # request line and headers, however they arrive (h11, h2, h2c)
+OPEN_ROUTES = frozenset({"/health"})  # answered without the API key (routers probe it)
+DECODE_INLINE_BYTES = 32 << 10  # a smaller body decodes on the loop (under 0.5 ms)
 
 
 @dataclass(frozen=True)
@@ -65,8 +72,12 @@ class ServeConfig:
 
     served_model_name: str
     api_key: str | None = None
-    max_queued_requests: int = 1024
+    max_queued_requests: int = 1024  # completions (prompts x n) admitted and not finished
+    max_prompts_per_request: int = 1024  # prompts x n in one request
     max_body_bytes: int = 4 << 20
+    max_header_bytes: int = MAX_HEADER_BYTES
+    request_body_timeout: float | None = 30.0  # seconds for a body to arrive (None: no limit)
+    tokenizer_threads: int = field(default_factory=default_threads)
     write_timeout: float = 30.0
     shutdown_timeout: float = 30.0
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (vLLM's flag of that name)
@@ -75,6 +86,7 @@ class ServeConfig:
     stream_interval: int = 1  # tokens per streamed chunk, at least (the last may have fewer)
     enable_dev_endpoints: bool = False  # the control routes of `_dev_endpoints`
     profiler_dir: str | None = None  # where /start_profile's traces go
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
 
 
 class App:
@@ -85,6 +97,9 @@ class App:
         self.config = config
         self.metrics = metrics
         self.generation = Generation(llm, config, metrics)
+        self.admission = Admission(
+            max_queued=config.max_queued_requests, max_per_request=config.max_prompts_per_request
+        )
         self._routes: dict[tuple[str, str], Callable[..., Awaitable[None]]] = {
             ("GET", "/health"): self._health,
             ("GET", "/version"): self._version,
@@ -108,12 +123,15 @@ class App:
             return
         extra = _request_id_header(scope)
         try:
+            self._check_header_size(scope)
             handler = self._route(scope)
             await handler(scope, receive, send, extra)
         except ClientDisconnected:
             return
         except RequestError as err:
             headers = [(k.encode(), v.encode()) for k, v in err.headers.items()]
+            if err.status in (408, 431) and scope.get("http_version", "1.1").startswith("1"):
+                headers.append((b"connection", b"close"))  # HTTP/2 forbids the header
             await self._respond(send, err.status, error_body(err), extra + headers)
         except EngineRestartingError as exc:  # waited past --engine-restart-wait
             retry = [(b"retry-after", str(exc.retry_after).encode())]
@@ -143,18 +161,35 @@ class App:
             body = error_body(RequestError(500, f"internal error: {exc}", "server_error"))
             await self._respond(send, 500, body, extra)
 
+    def _check_header_size(self, scope: Scope) -> None:
+        """431 for a header block over the limit. hypercorn's own limits hold only for a block
+        that arrives in pieces (h11 counts what is still incomplete; h2 applies its list size
+        once the client acknowledged the setting): a 60 KB block in one write passed them."""
+        size = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b""))
+        size += sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ()))
+        limit = self.config.max_header_bytes
+        if size > limit:
+            raise RequestError(
+                431,
+                f"the request line and headers take {size} bytes, more than the limit of "
+                f"{limit}; send fewer or shorter headers",
+                code="header_too_large",
+            )
+
     def _route(self, scope: Scope) -> Callable[..., Awaitable[None]]:
         method, path = scope["method"], scope["path"]
+        # The key first: without it every path but the open ones is a 401, so a client
+        # without the key cannot tell a route from a 404 or a 405.
+        if path not in OPEN_ROUTES and self.config.api_key is not None:
+            expected = f"Bearer {self.config.api_key}".encode()
+            # Constant time: the time taken must not tell a guesser how much of a key was right.
+            if not hmac.compare_digest(_header(scope, b"authorization") or b"", expected):
+                raise unauthorized()
         handler = self._routes.get((method, path))
         if handler is None:
             if any(p == path for _, p in self._routes):
                 raise RequestError(405, f"method {method} is not allowed on {path}")
             raise not_found(f"route {path}")
-        if path != "/health" and self.config.api_key is not None:
-            expected = f"Bearer {self.config.api_key}".encode()
-            # Constant time: the time taken must not tell a guesser how much of a key was right.
-            if not hmac.compare_digest(_header(scope, b"authorization") or b"", expected):
-                raise unauthorized()
         return handler
 
     async def _respond(
@@ -172,17 +207,31 @@ class App:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise too_large(limit)
         chunks, total = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ClientDisconnected
-            body = message.get("body", b"")
-            total += len(body)
-            if total > limit:
-                raise too_large(limit)
-            chunks.append(body)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+        timeout = self.config.request_body_timeout
+        # A slow body holds a connection and its buffer: it has this long, all of it.
+        with trio.move_on_after(timeout if timeout is not None else math.inf):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientDisconnected
+                body = message.get("body", b"")
+                total += len(body)
+                if total > limit:
+                    raise too_large(limit)
+                chunks.append(body)
+                if not message.get("more_body", False):
+                    return b"".join(chunks)
+        raise RequestError(
+            408,
+            f"the request body did not arrive within {timeout:g} s (--request-body-timeout; "
+            f"{total} bytes came); send the whole body at once",
+            code="request_timeout",
+        )
+
+    async def _decode(self, body: bytes, kind: type[S]) -> S:
+        """`body` decoded as `kind` (a large one on a worker thread)."""
+        size = len(body) * 512 // DECODE_INLINE_BYTES  # in the offload's units
+        return await self.generation.inputs.offload.run(size, decode_request, body, kind)
 
     # -- routes --------------------------------------------------------------------------
 
@@ -227,57 +276,81 @@ class App:
                 return
         self.metrics.engine_gone(engine)
 
+    # /tokenize and /detokenize count toward --max-queued-requests (1 each): they hold a
+    # tokenizer thread for as long as their input takes.
+
     async def _tokenize(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
-        request = decode_request(await self._read_body(scope, receive), TokenizeRequest)
-        tokenizer = self.llm.tokenizer
-        if request.messages is not None:  # a chat template carries its own special tokens
-            messages, _ = chat_messages(
-                chat_template_messages(request.messages), [], self.llm.template_reads_tools
-            )
-            tokens = self.llm.apply_chat_template(messages)
-        else:
-            special = request.add_special_tokens is not False
-            tokens = tokenizer(request.prompt, add_special_tokens=special)["input_ids"]
-        body = tokenize_response(tokens, max_model_len=self.llm.max_model_len)
-        await self._respond(send, 200, body, extra)
+        body = await self._read_body(scope, receive)
+        with self.admission.hold():
+            request = await self._decode(body, TokenizeRequest)
+            if request.messages is not None:  # a chat template carries its own special tokens
+                tokens = await self.generation.inputs.chat_prompt(request.messages)
+            else:
+                special = request.add_special_tokens is not False
+                prompt = request.prompt or ""
+                tokens = await self.generation.inputs.offload.run(
+                    len(prompt), self._tokenized, prompt, special
+                )
+            answer = tokenize_response(tokens, max_model_len=self.llm.max_model_len)
+        await self._respond(send, 200, answer, extra)
+
+    def _tokenized(self, prompt: str, add_special_tokens: bool) -> list[int]:
+        ids: list[int] = self.llm.tokenizer(prompt, add_special_tokens=add_special_tokens)[
+            "input_ids"
+        ]
+        return ids
 
     async def _detokenize(
         self, scope: Scope, receive: Receive, send: Send, extra: list[Any]
     ) -> None:
-        request = decode_request(await self._read_body(scope, receive), DetokenizeRequest)
+        body = await self._read_body(scope, receive)
+        with self.admission.hold():
+            request = await self._decode(body, DetokenizeRequest)
+            tokens = request.tokens
+            text = await self.generation.inputs.offload.run(len(tokens), self._detokenized, tokens)
+        await self._respond(send, 200, detokenize_response(text), extra)
+
+    def _detokenized(self, tokens: list[int]) -> str:
         vocab = self.llm.ready.vocab_size
-        bad = [t for t in request.tokens if not 0 <= t < vocab]
+        bad = [t for t in tokens if not 0 <= t < vocab]
         if bad:
             raise RequestError(
                 400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens"
             )
-        text = self.llm.tokenizer.decode(request.tokens)
-        await self._respond(send, 200, detokenize_response(text), extra)
+        text: str = self.llm.tokenizer.decode(tokens)
+        return text
 
     async def _completions(
         self, scope: Scope, receive: Receive, send: Send, extra: list[Any]
     ) -> None:
-        request = decode_request(await self._read_body(scope, receive), CompletionRequest)
-        with self._admitted(request.model):
-            await self.generation.completions(request, receive, send, extra)
+        body = await self._read_body(scope, receive)
+        with self._admitted() as held:
+            request = await self._decode(body, CompletionRequest)
+            self._check_model(request.model)
+            await self.generation.completions(request, receive, send, extra, held)
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
-        request = decode_request(await self._read_body(scope, receive), ChatCompletionRequest)
-        with self._admitted(request.model):
-            await self.generation.chat(request, receive, send, extra)
+        body = await self._read_body(scope, receive)
+        with self._admitted() as held:
+            request = await self._decode(body, ChatCompletionRequest)
+            self._check_model(request.model)
+            await self.generation.chat(request, receive, send, extra, held)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.served_model_name:
+            raise not_found(
+                f"model {model!r} (this server serves {self.config.served_model_name!r})"
+            )
 
     @contextmanager
-    def _admitted(self, model: str | None) -> Iterator[None]:
-        """Admit a generation request or refuse it (404, 503 draining, 429 overloaded).
+    def _admitted(self) -> Iterator[Held]:
+        """Admit a generation request at weight 1 or refuse it (503 dead or draining, 429
+        overloaded); the handler grows the weight to prompts x n once it knows them.
 
         The request counts as in flight from this check to its end, with no checkpoint in
         between: counted any later (after the response starts), a burst of requests all pass
         the check before any of them is counted.
         """
-        if model is not None and model != self.config.served_model_name:
-            raise not_found(
-                f"model {model!r} (this server serves {self.config.served_model_name!r})"
-            )
         if self.llm.error is not None:  # before a stream's 200 starts
             raise RequestError(503, str(self.llm.error), "server_error")
         if self.dev is not None:
@@ -286,7 +359,7 @@ class App:
             raise RequestError(
                 503, "the server is shutting down", "server_error", headers={"Retry-After": "5"}
             )
-        if self.generation.inflight >= self.config.max_queued_requests:
+        if not self.admission.has_room():
             if self.llm.restarting:  # the queue is full of requests waiting for the engine
                 raise RequestError(
                     503,
@@ -296,11 +369,12 @@ class App:
                     headers={"Retry-After": "5"},
                 )
             raise overloaded(retry_after=1)
-        self.generation.inflight += 1
-        try:
-            yield
-        finally:
-            self.generation.inflight -= 1
+        with self.admission.hold() as held:
+            self.generation.inflight += 1
+            try:
+                yield held
+            finally:
+                self.generation.inflight -= 1
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

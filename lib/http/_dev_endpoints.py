@@ -12,10 +12,17 @@ Routes (404 without the flag; behind the API key when one is set, as every route
   stepping; requests in flight (and new ones) wait, and go on at resume.
 - `POST /start_profile`, `POST /stop_profile`: a torch profiler over each engine process,
   its Chrome trace written to `--profiler-dir` (400 without it).
+- `POST /crash?how=segfault|abort|kill|exception`: end the API process as a native bug
+  would (an invalid read: SIGSEGV; `abort()`; SIGKILL; an exception no handler catches),
+  with no answer: the test hook of `trillm serve`'s supervisor (`_supervisor`), which
+  restarts it. What the client sees (a closed connection) is what a real crash shows it.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
+import signal
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -51,6 +58,7 @@ class DevEndpoints:
             ("GET", "/is_paused"): self._is_paused,
             ("POST", "/start_profile"): self._start_profile,
             ("POST", "/stop_profile"): self._stop_profile,
+            ("POST", "/crash"): self._crash,
         }
 
     def refuse_if_asleep(self) -> None:
@@ -119,6 +127,22 @@ class DevEndpoints:
             raise RequestError(400, "no profile can run: start the server with --profiler-dir DIR")
         await _respond(send, extra, {"traces": await self._on_every_engine("stop_profile")})
 
+    async def _crash(self, scope: Scope, receive: Any, send: Send, extra: Any) -> None:
+        query = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        how = query.get("how", ["segfault"])[-1]
+        if how == "segfault":
+            ctypes.string_at(0)  # reads address 0: the kernel's SIGSEGV, as in native code
+        elif how == "abort":
+            os.abort()
+        elif how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif how == "exception":  # raised in a system task: it ends trio.run, uncaught
+            trio.lowlevel.spawn_system_task(_planted_exception)
+            await trio.sleep_forever()
+        raise RequestError(
+            400, f"how must be segfault, abort, kill or exception, got {how!r}", param="how"
+        )
+
     async def _on_every_engine(self, method: str, args: list[object] | None = None) -> list[Any]:
         """`method` on every live engine at once; their results by engine. A refusal (the
         engine's message) is a 400; the first failure is raised after all have answered."""
@@ -143,6 +167,10 @@ class DevEndpoints:
         if failures:
             raise failures[0]
         return results
+
+
+async def _planted_exception() -> None:
+    raise RuntimeError("planted by POST /crash?how=exception")
 
 
 def _level(scope: Scope) -> int:

@@ -21,9 +21,11 @@ ERROR_TYPES: dict[int, str] = {
     403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     422: "invalid_request_error",
+    431: "invalid_request_error",
     429: "rate_limit_exceeded",
 }
 SERVER_ERROR = "server_error"

@@ -4,6 +4,10 @@ Each request runs in a cancel scope that a disconnect watcher (a task on ASGI `r
 cancels when the client goes away: leaving `AsyncLLM.generate` then aborts the request in the
 engine. A graceful shutdown gives in-flight requests `shutdown_timeout` seconds, then cancels
 them too; their streams end with an error event and `[DONE]`.
+
+Before a response starts, a request is checked whole (`_inputs`, the large parts off the
+loop): its sampling values and token ids, its weight against the queue (prompts x n,
+`_admission`), its prompts tokenised and length-checked, its constraint compiled.
 """
 
 from __future__ import annotations
@@ -26,11 +30,14 @@ from ..engine.client import (
 )
 from . import _schemas as S
 from . import _tools_llama3 as L3
+from ._admission import Held
 from ._chat_output import ChatOutputParser
-from ._constraints import function_dicts, tool_choice_mode
+from ._constraints import tool_choice_mode
 from ._errors import RequestError, error_body
+from ._inputs import Inputs
 from ._metrics import Metrics
-from ._tools import DEFAULT_TOOL_PROMPT, chat_messages
+from ._offload import Offload
+from ._tools import DEFAULT_TOOL_PROMPT
 
 log = logging.getLogger("trillm.http")
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -48,6 +55,7 @@ class Generation:
         self.config = config
         self.metrics = metrics
         self.inflight = 0  # admitted generation requests (the app counts them)
+        self.inputs = Inputs(llm, Offload(config.tokenizer_threads))
         self.draining = False
         self._scopes: set[trio.CancelScope] = set()
 
@@ -61,18 +69,31 @@ class Generation:
     # -- entry points ----------------------------------------------------------------------
 
     async def completions(
-        self, request: S.CompletionRequest, receive: Receive, send: Send, extra: list[Any]
+        self,
+        request: S.CompletionRequest,
+        receive: Receive,
+        send: Send,
+        extra: list[Any],
+        held: Held,
     ) -> None:
-        params = S.to_sampling_params(request)
-        prompts = self._validated(request.prompts, params)
+        params, _ = await self.inputs.sampling_params(request)
+        prompts = request.prompts
+        held.grow(len(prompts) * params.n, what=f"{len(prompts)} prompts x n {params.n}")
+        prompts = await self.inputs.prompts(prompts, params)
         await self._check_structured(params)
+        echo = await self.inputs.echo(prompts, request)
         if request.stream:
-            await self._stream(prompts, params, request, "completion", receive, send, extra)
+            await self._stream(prompts, params, request, "completion", receive, send, extra, echo)
         else:
-            await self._whole(prompts, params, request, "completion", receive, send, extra)
+            await self._whole(prompts, params, request, "completion", receive, send, extra, echo)
 
     async def chat(
-        self, request: S.ChatCompletionRequest, receive: Receive, send: Send, extra: list[Any]
+        self,
+        request: S.ChatCompletionRequest,
+        receive: Receive,
+        send: Send,
+        extra: list[Any],
+        held: Held,
     ) -> None:
         mode = tool_choice_mode(request.tools, request.tool_choice)
         if mode == "auto" and not self.config.enable_auto_tool_choice:
@@ -83,16 +104,13 @@ class Generation:
                 param="tool_choice",
             )
         tool_format = self.config.tool_call_parser
-        params = S.to_sampling_params(request, tool_format=tool_format)
-        functions = function_dicts(request.tools or []) if mode != "none" else []
-        messages, tools = chat_messages(
-            S.chat_template_messages(request.messages),
-            functions,
-            self.llm.template_reads_tools,
-            L3.TOOL_PROMPT if tool_format == "llama3_json" else DEFAULT_TOOL_PROMPT,
+        params, functions = await self.inputs.sampling_params(
+            request, tool_format=tool_format, with_functions=mode != "none"
         )
-        prompt: list[int] = self.llm.apply_chat_template(messages, tools)
-        self._validated([prompt], params)
+        held.grow(params.n, what=f"1 conversation x n {params.n}", param="n")
+        tool_prompt = L3.TOOL_PROMPT if tool_format == "llama3_json" else DEFAULT_TOOL_PROMPT
+        prompt = await self.inputs.chat_prompt(request.messages, functions, tool_prompt)
+        await self.inputs.prompts([prompt], params)
         await self._check_structured(params)
         names = {f["name"] for f in functions} or None
         reasoning = self.config.reasoning_parser
@@ -105,9 +123,11 @@ class Generation:
                 tool_format=tool_format,
             )
         if request.stream:
-            await self._stream([prompt], params, request, "chat", receive, send, extra, parser)
+            await self._stream(
+                [prompt], params, request, "chat", receive, send, extra, None, parser
+            )
         else:
-            await self._whole([prompt], params, request, "chat", receive, send, extra, parser)
+            await self._whole([prompt], params, request, "chat", receive, send, extra, None, parser)
 
     async def _check_structured(self, params: SamplingParams) -> None:
         """Check the output constraint now: a bad one is a 400, before any stream starts."""
@@ -127,6 +147,7 @@ class Generation:
         receive: Receive,
         send: Send,
         extra: list[Any],
+        echo: list[S.EchoPrompt] | None = None,
         parser: Callable[[], ChatOutputParser] | None = None,
     ) -> None:
         results: list[list[Output]] = [[] for _ in prompts]
@@ -149,7 +170,8 @@ class Generation:
                 outputs,
                 n=params.n,
                 token_text=self._token_text,
-                echo=self._echo(prompts, request),
+                echo=echo,
+                prompt_tokens_details=self.config.enable_prompt_tokens_details,
             )
         else:
             body = S.chat_completion_response(
@@ -158,6 +180,7 @@ class Generation:
                 n=params.n,
                 token_text=self._token_text,
                 parser=parser,
+                prompt_tokens_details=self.config.enable_prompt_tokens_details,
             )
         with trio.move_on_after(self._last_write_timeout()):
             await send({"type": "http.response.start", "status": 200, "headers": JSON + extra})
@@ -198,6 +221,7 @@ class Generation:
         receive: Receive,
         send: Send,
         extra: list[Any],
+        echo: list[S.EchoPrompt] | None = None,
         parser: Callable[[], ChatOutputParser] | None = None,
     ) -> None:
         model = self.config.served_model_name
@@ -209,8 +233,9 @@ class Generation:
             n=params.n,
             token_text=self._token_text,
             include_usage=request.include_usage,
-            echo=self._echo(prompts, request) if kind == "completion" else None,
+            echo=echo,
             parser=parser,
+            prompt_tokens_details=self.config.enable_prompt_tokens_details,
         )
         lock = trio.Lock()
         started = time.monotonic()
@@ -296,32 +321,6 @@ class Generation:
         reading cannot hold the shutdown past its deadline (its request is already over)."""
         timeout: float = self.config.write_timeout
         return min(timeout, DRAINING_LAST_WRITE_S) if self.draining else timeout
-
-    def _validated(
-        self, prompts: list[str | list[int]], params: SamplingParams
-    ) -> list[str | list[int]]:
-        """Tokenise and length-check every prompt now, so a bad one is a 400, not a broken
-        stream (the response has not started yet)."""
-        out: list[str | list[int]] = []
-        for prompt in prompts:
-            try:
-                ids = self.llm.tokenize(prompt)
-            except ValueError as exc:
-                raise RequestError(400, str(exc), param="prompt") from exc
-            self.llm.check_length(len(ids), params)
-            out.append(ids)
-        return out
-
-    def _echo(self, prompts: list[str | list[int]], request: Any) -> list[S.EchoPrompt] | None:
-        if not getattr(request, "echo", False):
-            return None
-        tokenizer = self.llm.tokenizer
-        echoes = []
-        for prompt in prompts:
-            ids = tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
-            text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
-            echoes.append(S.EchoPrompt(text, ids))
-        return echoes
 
     def _token_text(self, token_id: int) -> str:
         text: str = self.llm.tokenizer.convert_ids_to_tokens(token_id)

@@ -2,9 +2,11 @@
 
 Requests decode straight into Structs with decoders built once; unknown fields are ignored,
 as OpenAI ignores them, and every field OpenAI documents as nullable accepts `null` (meaning
-its default). A body that does not decode is a 400 `RequestError` naming the field. Range
-checks are the engine's (`SamplingParams`); `to_sampling_params` only renames the field in
-its message to the one the client sent (`top_logprobs`, `max_completion_tokens`).
+its default). A body that does not decode is a 400 `RequestError` naming the field, and so
+is one that nests deeper than `MAX_JSON_DEPTH` (measured on its bytes before decoding, as is
+a tool call's `arguments` text). Range checks are the engine's (`SamplingParams`);
+`to_sampling_params` only renames the field in its message to the one the client sent
+(`top_logprobs`, `max_completion_tokens`), and checks token ids against the vocabulary.
 """
 
 from __future__ import annotations
@@ -15,9 +17,15 @@ from typing import Annotated, Any, TypeVar, cast
 
 import msgspec
 
-from ..engine.client import SamplingParams, SamplingParamsError, StructuredOutputs
+from ..engine.client import (
+    MAX_LOGIT_BIAS,
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutputs,
+)
 from ._constraints import ResponseFormat, Tool, ToolChoice, constraint
 from ._errors import RequestError
+from ._json_depth import MAX_JSON_DEPTH, nests_deeper
 
 S = TypeVar("S", bound=msgspec.Struct)
 
@@ -26,7 +34,12 @@ class StreamOptions(msgspec.Struct, frozen=True):
     include_usage: bool | None = False
 
 
-class ContentPart(msgspec.Struct, frozen=True):
+# The parts of a conversation are untracked by the garbage collector (`gc=False`: decoded from
+# JSON, they cannot form a cycle): 120,000 tracked messages set off collections of the
+# whole heap, which stalled every stream.
+
+
+class ContentPart(msgspec.Struct, frozen=True, gc=False):
     """A part of a message's content; only text parts are served (the engine reads text)."""
 
     type: str
@@ -43,18 +56,28 @@ class ContentPart(msgspec.Struct, frozen=True):
             raise RequestError(400, "a content part of type 'text' needs 'text'", param="messages")
 
 
-class ToolCallFunction(msgspec.Struct, frozen=True):
+class ToolCallFunction(msgspec.Struct, frozen=True, gc=False):
     name: str
     arguments: str | dict[str, Any] = "{}"  # OpenAI sends JSON text
 
+    def __post_init__(self) -> None:
+        # The text is parsed later (`json.loads`, which recurses): refused here if too deep.
+        if isinstance(self.arguments, str) and nests_deeper(self.arguments, MAX_JSON_DEPTH):
+            raise RequestError(
+                400,
+                f"a tool call's function.arguments nests deeper than {MAX_JSON_DEPTH} arrays "
+                f"and objects; flatten it",
+                param="messages",
+            )
 
-class MessageToolCall(msgspec.Struct, frozen=True):
+
+class MessageToolCall(msgspec.Struct, frozen=True, gc=False):
     function: ToolCallFunction
     id: str | None = None
     type: str = "function"
 
 
-class ChatMessage(msgspec.Struct, frozen=True):
+class ChatMessage(msgspec.Struct, frozen=True, gc=False):
     role: str
     content: str | list[ContentPart] | None = None  # null: an assistant turn of tool calls
     name: str | None = None
@@ -210,12 +233,25 @@ def decode_request(body: bytes, kind: type[S]) -> S:
     decoder = _decoders.get(kind)
     if decoder is None:
         decoder = _decoders[kind] = msgspec.json.Decoder(kind)
+    if nests_deeper(body, MAX_JSON_DEPTH):
+        raise _too_deep()
     try:
         return cast(S, decoder.decode(body))
     except msgspec.ValidationError as err:  # (a DecodeError: catch it first)
         raise _validation_error(str(err)) from None
     except msgspec.DecodeError as err:
         raise RequestError(400, f"the body is not valid JSON: {err}") from None
+    except RecursionError:  # not expected past the check above; never a 500 if it is
+        raise _too_deep() from None
+
+
+def _too_deep() -> RequestError:
+    return RequestError(
+        400,
+        f"the request body nests deeper than {MAX_JSON_DEPTH} arrays and objects one inside "
+        f"another; flatten it",
+        code="too_deep",
+    )
 
 
 def _validation_error(text: str) -> RequestError:
@@ -233,9 +269,13 @@ def _validation_error(text: str) -> RequestError:
 
 
 def to_sampling_params(
-    request: CompletionRequest | ChatCompletionRequest, *, tool_format: str = "hermes"
+    request: CompletionRequest | ChatCompletionRequest,
+    *,
+    tool_format: str = "hermes",
+    vocab_size: int | None = None,
 ) -> SamplingParams:
-    """The engine's validated parameters for `request`.
+    """The engine's validated parameters for `request` (its token ids checked against
+    `vocab_size` when given: the engine would refuse them only after the response started).
 
     Chat: `logprobs: true` asks for the sampled token's logprob plus `top_logprobs` (default
     0) alternatives. Completions: `logprobs` is the top count; with `echo`, the prompt's
@@ -243,7 +283,8 @@ def to_sampling_params(
 
     Raises:
         RequestError: 400 with `param` the field the client sent (a value out of range, a
-            logit_bias key that is not an integer, top_logprobs without logprobs).
+            logit_bias key that is not an integer, a token id outside the vocabulary,
+            top_logprobs without logprobs).
     """
     renames: dict[str, str]
     if isinstance(request, ChatCompletionRequest):
@@ -274,7 +315,7 @@ def to_sampling_params(
         tool_format=tool_format,
     )
     try:
-        return SamplingParams(
+        params = SamplingParams(
             n=_or(request.n, d.n),
             max_tokens=max_tokens,
             min_tokens=_or(request.min_tokens, d.min_tokens),
@@ -298,6 +339,9 @@ def to_sampling_params(
             ),
             structured_outputs=structured,
         )
+        if vocab_size is not None:
+            params.check_vocab(vocab_size)
+        return params
     except SamplingParamsError as err:
         param, message = renames.get(err.field, err.field), str(err)
         if param != err.field and message.startswith(err.field):
@@ -316,6 +360,12 @@ def _or(value: T | None, default: T) -> T:
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     if bias is None:
         return None
+    if len(bias) > MAX_LOGIT_BIAS:  # before a loop over them
+        raise RequestError(
+            400,
+            f"the number of logit_bias entries must be <= {MAX_LOGIT_BIAS}, got {len(bias)}",
+            param="logit_bias",
+        )
     out: dict[int, float] = {}
     for key, value in bias.items():
         try:

@@ -57,19 +57,23 @@ class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
+    # null unless the server runs with --enable-prompt-tokens-details (vLLM's default too):
+    # cached_tokens tells a client how much of its prompt another request sent before.
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> Usage:
+    """The usage record; `prompt_tokens_details` only when `cached_tokens` is given."""
     total = prompt_tokens + completion_tokens
-    return Usage(prompt_tokens, completion_tokens, total, PromptTokensDetails(cached_tokens))
+    details = None if cached_tokens is None else PromptTokensDetails(cached_tokens)
+    return Usage(prompt_tokens, completion_tokens, total, details)
 
 
-def usage_of(outputs: Iterable[Output], *, n: int) -> Usage:
+def usage_of(outputs: Iterable[Output], *, n: int, prompt_tokens_details: bool = False) -> Usage:
     """The usage of the (last) outputs of every choice; choice i is of prompt i // n.
 
     A prompt counts once however many choices it has, as OpenAI counts it; its cached
-    tokens are those of its first choice.
+    tokens are those of its first choice, reported only with `prompt_tokens_details`.
     """
     prompts: dict[int, Output] = {}
     completion_tokens = 0
@@ -79,9 +83,8 @@ def usage_of(outputs: Iterable[Output], *, n: int) -> Usage:
         if output.index < first.index:
             prompts[output.index // n] = output
     prompt_tokens = sum(o.num_prompt_tokens for o in prompts.values())
-    return usage(
-        prompt_tokens, completion_tokens, sum(o.num_cached_tokens for o in prompts.values())
-    )
+    cached = sum(o.num_cached_tokens for o in prompts.values())
+    return usage(prompt_tokens, completion_tokens, cached if prompt_tokens_details else None)
 
 
 class CompletionLogprobs(msgspec.Struct):
@@ -203,6 +206,7 @@ def completion_response(
     n: int,
     token_text: TokenText,
     echo: Sequence[EchoPrompt] | None = None,
+    prompt_tokens_details: bool = False,
 ) -> bytes:
     """A `text_completion`: one choice per output (index `output.index`), and the usage.
 
@@ -211,11 +215,13 @@ def completion_response(
             choice `i` is of prompt `i // n`.
         n: choices per prompt.
         echo: the prompts (in batch order), to prepend when the request set `echo`.
+        prompt_tokens_details: report the prefix-cache hits (`cached_tokens`).
     """
     choices = [
         _completion_choice(o, token_text, echo[o.index // n] if echo else None, 0) for o in outputs
     ]
-    body = Completion(meta.id, meta.created, meta.model, choices, usage_of(outputs, n=n))
+    used = usage_of(outputs, n=n, prompt_tokens_details=prompt_tokens_details)
+    body = Completion(meta.id, meta.created, meta.model, choices, used)
     return _encoder.encode(body)
 
 
@@ -253,9 +259,11 @@ def chat_completion_response(
     n: int,
     token_text: TokenText,
     parser: Callable[[], ChatOutputParser] | None = None,
+    prompt_tokens_details: bool = False,
 ) -> bytes:
     """A `chat.completion`: one assistant message per output (index `output.index`);
-    `parser` makes each choice's reasoning / tool-call parser, when the request needs one."""
+    `parser` makes each choice's reasoning / tool-call parser, when the request needs one;
+    the usage reports the prefix-cache hits with `prompt_tokens_details`."""
     choices = []
     for o in outputs:
         message, finish = ChatResponseMessage(o.text), o.finish_reason
@@ -266,7 +274,8 @@ def chat_completion_response(
                 o.index, message, _chat_logprobs(o.logprobs, token_text), finish, o.stop_reason
             )
         )
-    body = ChatCompletion(meta.id, meta.created, meta.model, choices, usage_of(outputs, n=n))
+    used = usage_of(outputs, n=n, prompt_tokens_details=prompt_tokens_details)
+    body = ChatCompletion(meta.id, meta.created, meta.model, choices, used)
     return _encoder.encode(body)
 
 

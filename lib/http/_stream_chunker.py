@@ -41,8 +41,10 @@ class StreamChunker:
         include_usage: bool = False,
         echo: Sequence[EchoPrompt] | None = None,
         parser: Callable[[], ChatOutputParser] | None = None,
+        prompt_tokens_details: bool = False,
     ) -> None:
         self.meta, self.chat, self.n = meta, chat, n
+        self.prompt_tokens_details = prompt_tokens_details  # report cached_tokens
         self._parser = parser  # chat: reasoning / tool calls, one parser per choice
         self._parsers: dict[int, ChatOutputParser] = {}
         self.token_text = token_text
@@ -119,7 +121,9 @@ class StreamChunker:
 
     def usage(self) -> Usage:
         """The usage of everything streamed so far."""
-        return usage_of(self._last.values(), n=self.n)
+        return usage_of(
+            self._last.values(), n=self.n, prompt_tokens_details=self.prompt_tokens_details
+        )
 
     def usage_chunk(self) -> bytes:
         """The last chunk when the request set `stream_options.include_usage`."""

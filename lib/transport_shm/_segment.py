@@ -7,7 +7,8 @@ pages faulted in with ``MAP_POPULATE``. The name exists only until the peer has 
 creator then unlinks it (and again when it closes), after which the mapping lives on in each
 process and the kernel frees it with the last one, whoever is ``kill -9``-ed. A creator killed
 before the handshake leaves the name behind; `sweep_stale_segments` (run by every `create`)
-removes names whose pid is dead.
+removes names whose pid is dead, if they are ours: a ``trillm-*`` file of another user (or
+one we may not unlink) is left alone, never a reason to fail.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 from typing import Final
 
 import posix_ipc
@@ -40,7 +42,12 @@ def _pid_is_alive(pid: int) -> bool:
 
 
 def sweep_stale_segments(directory: str = SHM_DIR) -> list[str]:
-    """Unlink ``trillm-<pid>-*`` segments whose creating pid no longer exists.
+    """Unlink ``trillm-<pid>-*`` segments of ours whose creating pid no longer exists.
+
+    Only regular files owned by our effective uid are candidates: anyone can create a
+    ``trillm-*`` name in a shared ``/dev/shm``, and a sweep run at every start must neither
+    delete other users' files (root could) nor fail on one it may not unlink. Every error
+    is a skip: a sweep is housekeeping, never a reason not to start.
 
     Returns:
         The names removed (without the leading slash).
@@ -48,15 +55,22 @@ def sweep_stale_segments(directory: str = SHM_DIR) -> list[str]:
     removed: list[str] = []
     try:
         entries = os.listdir(directory)
-    except FileNotFoundError:
+    except OSError:  # missing, or not ours to read
         return removed
+    uid = os.geteuid()
     for entry in entries:
         match = _NAME_RE.match(entry)
         if match is None or _pid_is_alive(int(match.group(1))):
             continue
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(directory, entry))
-            removed.append(entry)
+        path = os.path.join(directory, entry)
+        try:
+            info = os.lstat(path)
+            if info.st_uid != uid or not stat.S_ISREG(info.st_mode):
+                continue
+            os.unlink(path)
+        except OSError:  # gone already, or we may not unlink it (the directory is not ours)
+            continue
+        removed.append(entry)
     return removed
 
 
@@ -98,9 +112,9 @@ class Segment:
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
                     raise
-                stat = os.statvfs(SHM_DIR)
+                fs = os.statvfs(SHM_DIR)
                 raise SharedMemorySpaceError(
-                    name, size, stat.f_bavail * stat.f_frsize, SHM_DIR
+                    name, size, fs.f_bavail * fs.f_frsize, SHM_DIR
                 ) from exc
             buffer = _map(shm.fd, size)
         except BaseException:

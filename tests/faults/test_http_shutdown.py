@@ -3,7 +3,8 @@
 First signal: new requests are refused (a new connection is not accepted; a request on a
 connection already open gets 503), in-flight requests drain up to `--shutdown-timeout`, the
 rest end with a shutdown error event and `[DONE]`, and the server exits 0. A second signal
-ends everything at once.
+ends everything at once. Both with the API server in the `trillm serve` process and under its
+supervisor (`--max-api-restarts`), where the signals reach the parent and are forwarded.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from .figures import record
 from .http_harness import null_args, open_sse, port_of, serving, tiny_model_dir
 
 SHUTDOWN_TIMEOUT = 2.0
+SUPERVISION = [
+    pytest.param((), id="unsupervised"),
+    pytest.param(("--max-api-restarts", "3"), id="supervised"),
+]
 
 
 def stream_body(max_tokens: int) -> bytes:
@@ -28,12 +33,14 @@ def stream_body(max_tokens: int) -> bytes:
     ).encode()
 
 
+@pytest.mark.parametrize("supervision", SUPERVISION)
 def test_sigterm_refuses_new_requests_drains_the_short_ends_the_long(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, supervision: tuple[str, ...]
 ) -> None:
     model = tiny_model_dir(tmp_path_factory)
     timeout = str(SHUTDOWN_TIMEOUT)
-    with serving(model, *null_args(0.01), "--shutdown-timeout", timeout) as server:
+    args = (*null_args(0.01), "--shutdown-timeout", timeout, *supervision)
+    with serving(model, *args) as server:
         port = port_of(server)
 
         async def scenario() -> dict[str, float]:
@@ -90,9 +97,12 @@ def test_sigterm_refuses_new_requests_drains_the_short_ends_the_long(
     assert times["exit"] < SHUTDOWN_TIMEOUT + 10  # the engine drained, not its 30 s timeout
 
 
-def test_a_second_sigint_aborts_at_once(tmp_path_factory: pytest.TempPathFactory) -> None:
+@pytest.mark.parametrize("supervision", SUPERVISION)
+def test_a_second_sigint_aborts_at_once(
+    tmp_path_factory: pytest.TempPathFactory, supervision: tuple[str, ...]
+) -> None:
     model = tiny_model_dir(tmp_path_factory)
-    with serving(model, *null_args(0.01), "--shutdown-timeout", "60") as server:
+    with serving(model, *null_args(0.01), "--shutdown-timeout", "60", *supervision) as server:
         port = port_of(server)
 
         async def scenario() -> float:

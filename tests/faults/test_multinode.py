@@ -65,10 +65,14 @@ def no_restart_args() -> tuple[str, ...]:
     return () if unknown else ("--no-engine-restart",)
 
 
+NODE_TOKEN = "test-node-token-0123456789abcdef"  # on the command line: a test's, not a secret
+
+
 def node_args(master_port: int, timeout: float = 60) -> tuple[str, ...]:
     return (
         "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
         "--master-port", str(master_port), "--distributed-timeout", str(timeout),
+        "--node-token", NODE_TOKEN,
     )  # fmt: skip
 
 

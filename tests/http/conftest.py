@@ -43,12 +43,16 @@ def serve_command(model: Path | str, port: int, *args: str) -> list[str]:
     """`trillm serve` of a test model on `port` (float32, a 32 MiB KV cache), plus `args`.
 
     Without engine restarts unless `args` ask for them (`--max-engine-restarts`): the death
-    cases check what a death does, not what a restart hides."""
+    cases check what a death does, not what a restart hides. For the same reason, and so that
+    the process started is the API server itself (its pid, children, fds and title are what
+    the cases read), without the API supervisor unless `args` ask for it
+    (`--max-api-restarts`; tests/faults/test_redteam_crash.py)."""
     restarts = () if "--max-engine-restarts" in args else ("--no-engine-restart",)
+    supervised = () if "--max-api-restarts" in args else ("--max-api-restarts", "0")
     return [
         sys.executable, "-m", "trillm.cli", "serve", str(model), "--port", str(port),
         "--served-model-name", "tiny", "--kv-cache-memory-bytes", str(1 << 25),
-        "--dtype", "float32", *restarts, *args,
+        "--dtype", "float32", *restarts, *supervised, *args,
     ]  # fmt: skip
 
 

@@ -370,7 +370,9 @@ def test_completion_response_is_openai_s_completion() -> None:
         output(0, num_cached_tokens=2),
         output(1, "Hi", token_ids=[5], finish_reason="stop", stop_reason=3, num_output_tokens=1),
     ]
-    body = completion_response(COMPLETION_META, outputs, n=2, token_text=token_text)
+    body = completion_response(
+        COMPLETION_META, outputs, n=2, token_text=token_text, prompt_tokens_details=True
+    )
     parsed = Completion.model_validate_json(body)
     assert (parsed.id, parsed.object, parsed.created, parsed.model) == (
         "cmpl-abc",
@@ -495,7 +497,14 @@ def test_include_usage_gives_null_usage_then_a_usage_chunk() -> None:
 
 
 def test_the_chat_stream_chunker_sends_a_role_chunk_then_deltas_then_usage() -> None:
-    chunker = StreamChunker(CHAT_META, chat=True, n=1, token_text=token_text, include_usage=True)
+    chunker = StreamChunker(
+        CHAT_META,
+        chat=True,
+        n=1,
+        token_text=token_text,
+        include_usage=True,
+        prompt_tokens_details=True,
+    )
     steps = [
         output(
             text="Hello",

@@ -17,6 +17,8 @@ from ._errors import EngineDeadError as EngineDeadError
 from ._errors import EngineRestartingError as EngineRestartingError
 from ._errors import PromptTooLongError as PromptTooLongError
 from ._errors import RequestFailedError as RequestFailedError
+from ._grammar_budget import MAX_STRUCTURED_DEPTH as MAX_STRUCTURED_DEPTH
+from ._grammar_budget import GrammarBudget as GrammarBudget
 from ._launch import EngineStartError as EngineStartError
 from ._llm import LLM as LLM
 from ._outputs import Output as Output
@@ -24,6 +26,8 @@ from ._outputs import TokenLogprob as TokenLogprob
 from ._request_output import CompletionOutput as CompletionOutput
 from ._request_output import Logprob as Logprob
 from ._request_output import RequestOutput as RequestOutput
+from ._restarts import RestartPolicy as RestartPolicy
+from ._sampling_params import MAX_LOGIT_BIAS as MAX_LOGIT_BIAS
 from ._sampling_params import SamplingParams as SamplingParams
 from ._sampling_params import SamplingParamsError as SamplingParamsError
 from ._streams import RequestStream as RequestStream

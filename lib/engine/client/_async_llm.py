@@ -221,6 +221,7 @@ class AsyncLLM:
             self._grammar_checker = GrammarChecker(
                 lambda: build_ll_tokenizer(tokenizer, vocab),
                 timeout=self.config.engine.structured_outputs_timeout,
+                budget=self.config.grammar_budget,
             )
         grammar = await self._grammar_checker.check(params.structured_outputs)
         if self.config.reasoning_parser is not None:

@@ -11,6 +11,7 @@ import msgspec
 
 from ..protocol._config import EngineConfig
 from ..protocol._messages import MIN_WATCHDOG_TIMEOUT
+from ._grammar_budget import MAX_GRAMMAR_BYTES, MAX_STRUCTURED_DEPTH, GrammarBudget
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,13 @@ class LLMConfig:
     # debugging: one py-spy dump shows everything. The watchdog is off (a thread cannot be
     # killed); data parallelism is refused.
     in_process: bool = False
+    # How deep and how large a request's schema or grammar may be (`_grammar_budget`; the
+    # server's --structured-outputs-max-depth and --structured-outputs-max-bytes).
+    structured_outputs_max_depth: int = MAX_STRUCTURED_DEPTH
+    structured_outputs_max_bytes: int = MAX_GRAMMAR_BYTES
 
     def __post_init__(self) -> None:
+        self.grammar_budget  # noqa: B018 - built to refuse a bad limit here, at the edge
         if self.in_process and self.data_parallel_size > 1:
             raise ValueError(
                 f"an in-process engine is one engine: data_parallel_size must be 1 with "
@@ -56,6 +62,13 @@ class LLMConfig:
                 f"the engine watchdog timeout must be 0 (off) or at least "
                 f"{MIN_WATCHDOG_TIMEOUT} s (the heartbeat's jitter), got {self.watchdog_timeout}"
             )
+
+    @property
+    def grammar_budget(self) -> GrammarBudget:
+        return GrammarBudget(
+            max_depth=self.structured_outputs_max_depth,
+            max_bytes=self.structured_outputs_max_bytes,
+        )
 
     def engine_configs(self) -> list[EngineConfig]:
         """One config per data-parallel engine: on CUDA each takes the next TP-size GPUs; on

@@ -15,6 +15,10 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 CONTEXT_TOKENS = 5  # prompt tokens decoded ahead of the output (vLLM's initial offset)
+# Held tokens past which the window is settled. A character has at most 4 bytes, so text
+# holds at most 3 tokens (more only with tokens without text between its bytes, skipped
+# special tokens, and a settle keeps a started character held anyway).
+MAX_HELD_TOKENS = 8
 _REPLACEMENT = "\ufffd"  # what a decode gives for an incomplete UTF-8 sequence
 
 
@@ -29,11 +33,26 @@ class IncrementalDetokenizer:
     Built on `tokenizers`' `DecodeStream` (in Rust): each step decodes a window of a few
     tokens, the previous chunk's (the prefix) and the new ones, and returns the decoded text
     beyond the prefix's, unless it ends in U+FFFD: an incomplete UTF-8 sequence is held until
-    the tokens that complete it arrive. The window is mirrored here (`_ids`, `_read_end`)
-    only so that `flush` can release held tokens when the request ends.
+    the tokens that complete it arrive. The window is mirrored here (`_ids`, `_read_end`) so
+    that `flush` can release held tokens when the request ends, and so that it can be
+    settled: output that never completes a character (lone continuation bytes, which a
+    client can force with `logit_bias`) would grow the window forever, each step decoding
+    all of it. Past `MAX_HELD_TOKENS` held tokens, the held text is released as a full decode
+    shows it (U+FFFD for the invalid bytes), but for the tokens that may start a character;
+    the request then goes on with the same rule applied here (`_step_settled`), since the
+    stream's state cannot be set. So a step decodes at most about 10 tokens.
     """
 
-    __slots__ = ("_flushed", "_ids", "_read_end", "_skip_special_tokens", "_stream", "_tokenizer")
+    __slots__ = (
+        "_flushed",
+        "_ids",
+        "_prefix",
+        "_read_end",
+        "_skip_special_tokens",
+        "_skipped",
+        "_stream",
+        "_tokenizer",
+    )
 
     def __init__(
         self,
@@ -58,7 +77,12 @@ class IncrementalDetokenizer:
             context.pop()
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        # None once settled: then `_step_settled` does its work, with `_prefix` its prefix.
+        self._stream: DecodeStream | None = DecodeStream(
+            ids=context, skip_special_tokens=skip_special_tokens
+        )
+        self._prefix = ""
+        self._skipped: frozenset[int] | None = None  # computed when a settle needs it
         # The stream's window: _ids[:_read_end] decoded to its prefix; _ids[_read_end:] held.
         self._ids = context
         self._read_end = len(context)
@@ -76,9 +100,14 @@ class IncrementalDetokenizer:
             return ""
         ids = self._ids
         ids += token_ids
+        if self._stream is None:
+            return self._step_settled()
         step = token_ids[0] if len(token_ids) == 1 else list(token_ids)
         text = self._stream.step(self._tokenizer, step)
         if text is None:
+            if len(ids) - self._read_end > MAX_HELD_TOKENS:
+                prefix = self._decode(ids[: self._read_end])
+                return self._settle(self._decode(ids), prefix)
             return ""
         # The stream now keeps the tokens since the previous chunk as its prefix.
         del ids[: self._read_end]
@@ -94,15 +123,73 @@ class IncrementalDetokenizer:
         ids, read_end = self._ids, self._read_end
         if read_end == len(ids):
             return ""
-        decode = self._tokenizer.decode
-        prefix = decode(ids[:read_end], self._skip_special_tokens)
+        prefix = self._prefix if self._stream is None else self._decode(ids[:read_end])
         self._read_end = len(ids)
-        return decode(ids, self._skip_special_tokens)[len(prefix) :]
+        return self._decode(ids)[len(prefix) :]
 
     @property
     def num_held_tokens(self) -> int:
         """Output tokens whose text is not out yet (they end in an incomplete character)."""
         return len(self._ids) - self._read_end
+
+    def _step_settled(self) -> str:
+        """`DecodeStream.step`'s rule, over the window here: the text past the prefix's, once
+        it does not end in U+FFFD; the new tokens then become the prefix."""
+        ids = self._ids
+        text, prefix = self._decode(ids), self._prefix
+        if len(text) > len(prefix) and not text.endswith(_REPLACEMENT):
+            del ids[: self._read_end]
+            self._read_end = len(ids)
+            self._prefix = self._decode(ids)
+            return text[len(prefix) :]
+        if len(ids) - self._read_end > MAX_HELD_TOKENS:
+            return self._settle(text, prefix)
+        return ""
+
+    def _settle(self, whole: str, prefix: str) -> str:
+        """Release the held tokens as a full decode shows them, but for a few at the end; go
+        on with `_step_settled`.
+
+        `whole` and `prefix` are the window's text and its prefix's. Held tokens that add no
+        text (skipped special tokens) leave the window first; if enough remain, the cut is
+        the latest place with text after it where decoding the two sides apart gives
+        `whole`: never inside a character or an invalid sequence (its bytes decode to more
+        U+FFFD apart), nor before a started character's bytes, which stay held. So the text
+        released is final: for byte-level tokenizers exactly what `tokenizer.decode` gives.
+        Where no place fits, the cut keeps the last token only: the window stays bounded,
+        the text approximate.
+        """
+        read_end, skipped = self._read_end, self._skipped_ids()
+        ids = [*self._ids[:read_end], *(i for i in self._ids[read_end:] if i not in skipped)]
+        self._stream, self._ids, self._prefix = None, ids, prefix
+        if len(ids) - read_end <= MAX_HELD_TOKENS:
+            return ""
+        decode = self._decode
+        cut = len(ids) - 1
+        for split in range(cut, read_end, -1):
+            head, rest = decode(ids[:split]), decode(ids[split:])
+            if rest and head + rest == whole:
+                cut = split
+                break
+        else:
+            head = decode(ids[:cut])
+        # What comes next decodes after the token before the cut, so that its leading space
+        # is not taken for the start of a text.
+        del ids[: cut - 1]
+        self._read_end = 1
+        self._prefix = decode(ids[:1])
+        return head[len(prefix) :]
+
+    def _skipped_ids(self) -> frozenset[int]:
+        """The special tokens, if they are skipped: ids that add no text to a decode."""
+        if self._skipped is None:
+            added = self._tokenizer.get_added_tokens_decoder().items()
+            skip = self._skip_special_tokens
+            self._skipped = frozenset(i for i, token in added if skip and token.special)
+        return self._skipped
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, self._skip_special_tokens)
 
 
 class StopChecker:

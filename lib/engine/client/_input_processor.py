@@ -3,6 +3,12 @@ templates, and the per-child `RequestState` the output processor fills (DESIGN.m
 InputProcessor).
 
 Nothing here waits, so the synchronous `LLM` and the trio `AsyncLLM` share it as is.
+
+A text far longer than the model holds is tokenised by its head first: 4 MiB of text takes
+seconds to tokenise whole (issue 25), while its first `(max_model_len + 8) * 8` characters
+already have more tokens than fit whenever the text averages under 8 characters a token (any
+natural text); only such a head is tokenised before the request is refused. A text denser
+than that (runs of one character) is tokenised whole, as before.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from ._output_processor import RequestState
 from ._outputs import Mailbox
 from ._sampling_params import SamplingParams
 
+HEAD_CHARS_PER_TOKEN = 8  # a text longer than (max_model_len + margin) * this: head first
+HEAD_MARGIN = 8  # tokens: what a cut through a word may add to the head's count
+
 
 class InputProcessor:
     """Tokenises and checks prompts for one engine (its vocabulary and maximum length)."""
@@ -35,8 +44,10 @@ class InputProcessor:
 
         Raises:
             ValueError: an empty prompt or a token id outside the vocabulary.
+            PromptTooLongError: the text's head alone has more tokens than the model holds.
         """
         if isinstance(prompt, str):
+            self._refuse_if_head_too_long(prompt, add_special_tokens=True)
             ids: list[int] = self.tokenizer(prompt)["input_ids"]
         else:
             ids = list(prompt)
@@ -95,9 +106,27 @@ class InputProcessor:
         return text
 
     def chat_ids(self, text: str) -> list[int]:
-        """A rendered chat's token ids (the template wrote its special tokens itself)."""
+        """A rendered chat's token ids (the template wrote its special tokens itself).
+
+        Raises:
+            PromptTooLongError: the text's head alone has more tokens than the model holds.
+        """
+        self._refuse_if_head_too_long(text, add_special_tokens=False)
         ids: list[int] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return ids
+
+    def _refuse_if_head_too_long(self, text: str, *, add_special_tokens: bool) -> None:
+        limit = self.ready.max_model_len
+        cut = (limit + HEAD_MARGIN) * HEAD_CHARS_PER_TOKEN
+        if len(text) <= cut:
+            return
+        head = self.tokenizer(text[:cut], add_special_tokens=add_special_tokens)["input_ids"]
+        if len(head) > limit + HEAD_MARGIN:
+            raise PromptTooLongError(
+                f"the prompt has more than {len(head) - HEAD_MARGIN} tokens (its first {cut} "
+                f"of {len(text)} characters alone), more than the model's maximum length "
+                f"{limit}; shorten the prompt"
+            )
 
     def new_state(
         self, rnum: int, mailbox: Mailbox, index: int, token_ids: list[int], params: SamplingParams

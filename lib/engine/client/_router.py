@@ -7,6 +7,11 @@ engine last took them. A request goes to the engine of its longest remembered pr
 that engine is busier than the least-loaded one by more than `slack` requests; otherwise to
 the least-loaded live engine (the lowest index on ties). Load is the requests (children)
 routed to an engine and not yet ended, counted here: no round trip to the engines.
+
+The remembered prefixes are keyed by Python's `hash()` of the tokens, which anyone can
+collide on purpose; that is enough here, since a key only picks an engine: a collision moves
+a request to another engine, never to another prompt's KV (the engines match blocks by their
+own sha256 chains, `engine.core._block_hash`), and the slack bounds the imbalance it causes.
 """
 
 from __future__ import annotations

@@ -5,6 +5,14 @@ The frontend validates here, at the edge, and converts to the device side's `Sam
 [-2, 2], logit biases in [-100, 100]. Validation runs in `__post_init__`, so it also runs when
 msgspec decodes a request body straight into this Struct (msgspec then reports the
 `SamplingParamsError` message as its `ValidationError`).
+
+Beyond them, every value must be one the sampler computes with in float32 without an infinity
+or a NaN (issue 25: `temperature: 3.5e38` is inf in float32, and a grammar mask's -inf over it
+is NaN: the request ended in an error after its 200): temperature in [0, 100] (OpenAI takes
+[0, 2], vLLM any finite value; past about 10 sampling is already close to uniform),
+repetition_penalty in [0.001, 1000] (vLLM: > 0; a tiny one divides logits into infinity), at
+most 1,024 logit biases and 1,024 stop token ids (each costs work in every step), and token
+ids below the vocabulary (`check_vocab`, which the HTTP edge calls before a response starts).
 """
 
 from __future__ import annotations
@@ -25,6 +33,11 @@ MAX_ABS_PENALTY = 2.0  # presence and frequency penalties, as OpenAI
 MAX_ABS_LOGIT_BIAS = 100.0  # as OpenAI
 SEED_LIMIT = 2**63  # seeds are in [0, 2**63): fits an int64 wherever it travels
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is greedy (vLLM's _SAMPLING_EPS)
+MAX_TEMPERATURE = 100.0  # logits / temperature stay finite and meaningful in float32
+MIN_REPETITION_PENALTY = 1e-3  # logits / penalty stay finite in float32
+MAX_REPETITION_PENALTY = 1e3
+MAX_LOGIT_BIAS = 1024  # entries: each is a column written in every step
+MAX_STOP_TOKEN_IDS = 1024
 
 _FLOAT_FIELDS = (
     "temperature",
@@ -36,6 +49,8 @@ _FLOAT_FIELDS = (
 )
 _BIAS_IDS = "logit_bias token ids"
 _NUM_STOPS = "the number of stop strings"
+_NUM_BIAS = "the number of logit_bias entries"
+_NUM_STOP_IDS = "the number of stop_token_ids"
 
 
 class SamplingParamsError(ValueError):
@@ -123,17 +138,36 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             value = getattr(self, field)
             _require(math.isfinite(value), field, value, "finite")
         _require(self.temperature >= 0, "temperature", self.temperature, ">= 0")
+        limit = f"<= {MAX_TEMPERATURE:g}"
+        _require(self.temperature <= MAX_TEMPERATURE, "temperature", self.temperature, limit)
         _require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         _require(self.top_k >= 0, "top_k", self.top_k, "-1, 0 (off) or >= 1")
         _require(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
         for field in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, field)
             _require(abs(value) <= MAX_ABS_PENALTY, field, value, "in [-2, 2]")
-        _require(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "> 0")
+        penalty = self.repetition_penalty
+        _require(
+            MIN_REPETITION_PENALTY <= penalty <= MAX_REPETITION_PENALTY,
+            "repetition_penalty",
+            penalty,
+            f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]",
+        )
         if self.seed is not None:
             _require(0 <= self.seed < SEED_LIMIT, "seed", self.seed, "in [0, 2**63)")
 
     def _validate_tokens(self) -> None:
+        num_bias, num_stop_ids = len(self.logit_bias or ()), len(self.stop_token_ids or ())
+        limit = f"<= {MAX_LOGIT_BIAS}"
+        _require(num_bias <= MAX_LOGIT_BIAS, "logit_bias", num_bias, limit, subject=_NUM_BIAS)
+        limit = f"<= {MAX_STOP_TOKEN_IDS}"
+        _require(
+            num_stop_ids <= MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            num_stop_ids,
+            limit,
+            subject=_NUM_STOP_IDS,
+        )
         for token_id, bias in (self.logit_bias or {}).items():
             _require(token_id >= 0, "logit_bias", token_id, ">= 0", subject=_BIAS_IDS)
             if not abs(bias) <= MAX_ABS_LOGIT_BIAS:  # (NaN fails too)
@@ -197,14 +231,23 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         seed = None if self.seed is None else (self.seed + index) % SEED_LIMIT
         return self._options(seed, vocab_size)
 
-    def _options(self, seed: int | None, vocab_size: int) -> SamplingOptions:
+    def check_vocab(self, vocab_size: int) -> None:
+        """Check every token id (logit_bias keys, stop_token_ids) against the vocabulary.
+
+        Raises:
+            SamplingParamsError: an id is >= vocab_size; the message names the field, the
+                id and the vocabulary's size.
+        """
         limit = f"< vocab_size ({vocab_size})"
-        logit_bias = tuple((t, float(b)) for t, b in (self.logit_bias or {}).items())
-        for token_id, _ in logit_bias:
+        for token_id in self.logit_bias or ():
             _require(token_id < vocab_size, "logit_bias", token_id, limit, subject=_BIAS_IDS)
-        stop_token_ids = tuple(self.stop_token_ids or ())
-        for token_id in stop_token_ids:
+        for token_id in self.stop_token_ids or ():
             _require(token_id < vocab_size, "stop_token_ids", token_id, limit)
+
+    def _options(self, seed: int | None, vocab_size: int) -> SamplingOptions:
+        self.check_vocab(vocab_size)
+        logit_bias = tuple((t, float(b)) for t, b in (self.logit_bias or {}).items())
+        stop_token_ids = tuple(self.stop_token_ids or ())
         greedy = self.temperature < GREEDY_TEMPERATURE
         return SamplingOptions(
             temperature=0.0 if greedy else float(self.temperature),

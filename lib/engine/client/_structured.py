@@ -7,6 +7,11 @@ runs in a thread, under `timeout`; the busy loop never sees it). The engine comp
 same grammar text again for its matcher (`core._grammar`), off its loop too: a matcher
 cannot cross a process boundary, a grammar string can.
 
+One request must not take the process down (DESIGN.md §8): llguidance recurses once per
+link of a chain of rules or `$ref`s, so a constraint is first measured against a
+`GrammarBudget` (`_grammar_budget`: depth and size, by code that cannot overflow), and the
+whole check runs on a thread with a stack sized for what that budget admits (`_big_stack`).
+
 The constraint kinds are vLLM's `structured_outputs` (`json`, `regex`, `choice`, `grammar`,
 `json_object`) and the OpenAI `response_format` types, which the HTTP layer maps onto them.
 """
@@ -15,12 +20,18 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import msgspec
 import trio
 
-MAX_GRAMMAR_BYTES = 256 * 1024  # a schema or grammar larger than this is refused (400)
+from ._big_stack import run_sync_on_stack
+from ._grammar_budget import MAX_GRAMMAR_BYTES as MAX_GRAMMAR_BYTES
+from ._grammar_budget import GrammarBudget, GrammarBudgetError
+
+DEFAULT_BUDGET = GrammarBudget()
 MAX_CHECKED = 256  # constraints whose check is remembered
 # Compact JSON like `json.dumps` writes it: a small model given "any whitespace" can emit it
 # forever, and a client parses either form the same.
@@ -61,82 +72,120 @@ class StructuredOutputs(msgspec.Struct, frozen=True, omit_defaults=True, kw_only
     def kind(self) -> str:
         return next(name for name in _KINDS if getattr(self, name) not in (None, False))
 
-    def to_grammar(self) -> str:
-        """The llguidance grammar text (unchecked: `check_grammar` checks it).
+    def to_grammar(self, budget: GrammarBudget = DEFAULT_BUDGET) -> str:
+        """The llguidance grammar text (unchecked against a tokenizer: `GrammarChecker` does
+        that), once the constraint is within `budget`.
+
+        Run it where a deep recursion cannot overflow (`GrammarChecker` gives it a large
+        stack): the budget is measured without recursion, but JSON parsing and the GBNF
+        converter recurse in Python (to its recursion limit, raised here as a 400).
 
         Raises:
-            StructuredOutputError: the constraint is malformed or over `MAX_GRAMMAR_BYTES`.
+            StructuredOutputError: the constraint is malformed, or over a limit of `budget`
+                (the message names the value, the limit and its flag).
         """
         from llguidance import LLMatcher
-        from llguidance.gbnf_to_lark import any_to_lark
+        from llguidance.gbnf_to_lark import any_to_lark, is_lark_syntax
 
         kind = self.kind
         field = f"structured_outputs.{kind}"
-        if kind == "json_object":
-            return LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_OPTIONS)
-        if kind == "json":
-            schema = self.json
-            if isinstance(schema, str):
+        with _budget_errors(field):
+            if kind == "json_object":
+                return LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_OPTIONS)
+            if kind == "json":
+                schema = _schema_object(field, self.json)
+                budget.check_size(_dumps(field, schema))  # first: it bounds the depth's cost
+                budget.check_schema(schema)
                 try:
-                    schema = json.loads(schema)
+                    return LLMatcher.grammar_from_json_schema(schema, JSON_OPTIONS)
                 except ValueError as exc:
-                    raise StructuredOutputError(
-                        field, f"the JSON schema is not JSON: {exc}"
-                    ) from None
-            if isinstance(schema, bool):  # true: anything; false: nothing
-                schema = {} if schema else {"not": {}}
-            if not isinstance(schema, dict):
-                raise StructuredOutputError(field, "the JSON schema must be an object")
-            _check_size(field, json.dumps(schema))
+                    raise StructuredOutputError(field, f"invalid JSON schema: {exc}") from None
+            if kind == "regex":
+                regex = str(self.regex)
+                budget.check_size(regex)
+                return LLMatcher.grammar_from_regex(regex)
+            if kind == "choice":
+                choices = list(self.choice or ())
+                if not choices or not all(isinstance(c, str) and c for c in choices):
+                    raise StructuredOutputError(field, "choice must be a list of non-empty strings")
+                lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+                budget.check_size(lark)
+                return LLMatcher.grammar_from_lark(lark)
+            grammar = str(self.grammar)
+            budget.check_size(grammar)
+            if not is_lark_syntax(grammar):
+                budget.check_gbnf(grammar)
             try:
-                return LLMatcher.grammar_from_json_schema(schema, JSON_OPTIONS)
-            except ValueError as exc:
-                raise StructuredOutputError(field, f"invalid JSON schema: {exc}") from None
-        if kind == "regex":
-            regex = str(self.regex)
-            _check_size(field, regex)
-            return LLMatcher.grammar_from_regex(regex)
-        if kind == "choice":
-            choices = list(self.choice or ())
-            if not choices or not all(isinstance(c, str) and c for c in choices):
-                raise StructuredOutputError(field, "choice must be a list of non-empty strings")
-            lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-            _check_size(field, lark)
+                lark = any_to_lark(grammar)
+            except Exception as exc:  # the GBNF converter raises what its parser meets
+                raise StructuredOutputError(field, f"invalid grammar: {exc}") from None
+            budget.check_lark(lark)
             return LLMatcher.grammar_from_lark(lark)
-        grammar = str(self.grammar)
-        _check_size(field, grammar)
-        try:
-            lark = any_to_lark(grammar)
-        except Exception as exc:  # the GBNF converter raises what its parser meets
-            raise StructuredOutputError(field, f"invalid grammar: {exc}") from None
-        return LLMatcher.grammar_from_lark(lark)
 
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def _check_size(field: str, text: str) -> None:
-    size = len(text.encode())
-    if size > MAX_GRAMMAR_BYTES:
+@contextmanager
+def _budget_errors(field: str) -> Iterator[None]:
+    """A `GrammarBudgetError` as the request's 400: "the structured_outputs.json nests ..."."""
+    try:
+        yield
+    except GrammarBudgetError as exc:
+        raise StructuredOutputError(field, f"the {field} {exc}") from None
+
+
+def _schema_object(field: str, schema: Any) -> dict[str, Any]:
+    """The schema as a JSON object (parsed if it came as text)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise StructuredOutputError(field, f"the JSON schema is not JSON: {exc}") from None
+        except RecursionError:
+            raise StructuredOutputError(
+                field, "the JSON schema nests too deep to parse; flatten it with $defs"
+            ) from None
+    if isinstance(schema, bool):  # true: anything; false: nothing
+        schema = {} if schema else {"not": {}}
+    if not isinstance(schema, dict):
+        raise StructuredOutputError(field, "the JSON schema must be an object")
+    return schema
+
+
+def _dumps(field: str, schema: dict[str, Any]) -> str:
+    try:
+        return json.dumps(schema)
+    except RecursionError:  # past Python's limit (1,000): far past the default depth budget
         raise StructuredOutputError(
-            field, f"the {field} is {size} bytes; the limit is {MAX_GRAMMAR_BYTES} bytes"
-        )
+            field, "the JSON schema nests too deep to serialise; flatten it with $defs"
+        ) from None
 
 
 class GrammarChecker:
     """Checks grammars against the model's tokenizer, each in a thread, each under a deadline.
 
-    A check that outlives its deadline is abandoned (a thread cannot be stopped; llguidance
-    drops the GIL while it compiles, so an abandoned one costs a core, never the event loop);
-    `limiter` bounds how many run at once.
+    Each check (the budget, the grammar's translation, llguidance's validation) runs on a
+    thread of its own whose stack is `budget.stack_bytes`: what the budget admits cannot
+    overflow it. A check that outlives its deadline is abandoned (a thread cannot be
+    stopped; llguidance drops the GIL while it compiles, so an abandoned one costs a core,
+    never the event loop); `max_threads` bounds how many run at once.
     """
 
-    def __init__(self, tokenizer: Any, *, timeout: float, max_threads: int = 4) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        timeout: float,
+        budget: GrammarBudget = DEFAULT_BUDGET,
+        max_threads: int = 4,
+    ) -> None:
         # llguidance.LLTokenizer, or a callable that builds it (in a thread, at first use)
         self._tokenizer = None if callable(tokenizer) else tokenizer
         self._build = tokenizer if callable(tokenizer) else None
         self._build_lock = trio.Lock()
         self.timeout = timeout
+        self.budget = budget
         self._limiter = trio.CapacityLimiter(max_threads)
         self._checked: OrderedDict[bytes, str] = OrderedDict()  # constraint -> its grammar
 
@@ -158,19 +207,16 @@ class GrammarChecker:
         return grammar
 
     async def _check(self, constraint: StructuredOutputs, field: str) -> str:
-        from llguidance import LLMatcher
-
-        grammar = constraint.to_grammar()
         async with self._build_lock:
             if self._tokenizer is None and self._build is not None:
                 self._tokenizer = await trio.to_thread.run_sync(self._build)
         with trio.move_on_after(self.timeout) as scope:
-            is_error, messages = await trio.to_thread.run_sync(
-                LLMatcher.validate_grammar_with_warnings,
-                grammar,
-                self._tokenizer,
+            grammar, is_error, messages = await run_sync_on_stack(
+                self._validate,
+                constraint,
+                stack_bytes=self.budget.stack_bytes,
                 limiter=self._limiter,
-                abandon_on_cancel=True,
+                name="trillm-grammar-check",
             )
         if scope.cancelled_caught:
             raise StructuredOutputError(
@@ -181,6 +227,14 @@ class GrammarChecker:
         if is_error:
             raise StructuredOutputError(field, f"invalid {field}: {messages[0]}")
         return grammar
+
+    def _validate(self, constraint: StructuredOutputs) -> tuple[str, bool, list[str]]:
+        """The constraint's grammar and llguidance's verdict on it (in the checking thread)."""
+        from llguidance import LLMatcher
+
+        grammar = constraint.to_grammar(self.budget)
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
+        return grammar, is_error, messages
 
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")

@@ -20,11 +20,11 @@ class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self.block_hashes: list[int | None] = [None] * num_blocks  # content hash, if cached
+        self.block_hashes: list[bytes | None] = [None] * num_blocks  # content hash, if cached
         # Insertion order is LRU order; OrderedDict gives O(1) pop-head, append and removal
         # from the middle (a hit on a free cached block).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
 
     @property
     def num_free_blocks(self) -> int:
@@ -42,7 +42,7 @@ class BlockPool:
     def is_free(self, block_id: int) -> bool:
         return block_id in self._free
 
-    def get_cached_block(self, block_hash: int) -> int | None:
+    def get_cached_block(self, block_hash: bytes) -> int | None:
         """The block whose content has `block_hash`, held or free; None on a miss."""
         return self._cached.get(block_hash)
 
@@ -80,7 +80,7 @@ class BlockPool:
             if ref_counts[block_id] == 0:
                 free[block_id] = None
 
-    def cache(self, block_id: int, block_hash: int) -> None:
+    def cache(self, block_id: int, block_hash: bytes) -> None:
         """Index a held, full block under `block_hash`.
 
         A block with the same content already indexed (two requests computed the same prefix

@@ -46,6 +46,8 @@ from ..protocol._config import EngineConfig
 from ..protocol._errors import RemoteError
 from ._errors import WorkerDiedError
 from ._executor import Executor, Masks
+from ._node_join import accept_nodes, open_listener
+from ._node_link import link_key, log
 from ._ranks import (
     LocalRank,
     RankState,
@@ -55,7 +57,7 @@ from ._ranks import (
     sweep_local,
     worker_args,
 )
-from ._remote_nodes import RemoteNode, accept_nodes, open_listener
+from ._remote_nodes import RemoteNode
 
 WATCH_INTERVAL: Final = 0.02  # seconds between sweeps while a ring wait is blocked
 SIDE_RING_CAPACITY: Final = 1 << 20  # result rings of ranks > 0: replies to LOAD and failures
@@ -68,6 +70,7 @@ class MultiprocExecutor(Executor):
     that spawned it exits (``PR_SET_PDEATHSIG``), so no rank outlives its executor.
 
     Args:
+        node_token: the node link's shared secret (`cluster.nnodes > 1`; see `_node_link`).
         ring_capacity: bytes of the broadcast ring and of rank 0's result ring (a power of
             two); one step's encoded batch or output must fit.
         shutdown_timeout: seconds `shutdown` waits for the ranks to exit before killing them.
@@ -84,9 +87,13 @@ class MultiprocExecutor(Executor):
         ring_capacity: int = 1 << 24,
         shutdown_timeout: float = 5.0,
         cluster: EngineConfig | None = None,
+        node_token: bytes | None = None,
     ) -> None:
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        nnodes = cluster.nnodes if cluster is not None else 1
+        insecure = cluster is not None and cluster.insecure_node_link
+        key = link_key(nnodes, node_token, insecure=insecure)  # refused before anything starts
         self.config = config
         self.tensor_parallel_size = tensor_parallel_size
         self.block_size = config.block_size
@@ -100,7 +107,6 @@ class MultiprocExecutor(Executor):
         self._is_shut_down = False
         self._exits = select.poll()  # every live local rank's pidfd
         self._nodes: list[RemoteNode] = []  # nodes > 0 (multi-node only), by node rank
-        nnodes = cluster.nnodes if cluster is not None else 1
         num_local = tensor_parallel_size // nnodes
         if cluster is not None and cluster.master_port is not None:
             dist_init_method = f"tcp://{cluster.master_addr}:{cluster.master_port}"
@@ -111,6 +117,12 @@ class MultiprocExecutor(Executor):
             listener = None
             if cluster is not None and nnodes > 1:
                 listener = stack.enter_context(open_listener(cluster))
+                if insecure:
+                    log(
+                        f"listening at {cluster.master_addr}:{listener.getsockname()[1]} without "
+                        "a node token (--insecure-node-link): anyone who reaches it can join "
+                        "and read every prompt"
+                    )
             self._commands = stack.enter_context(
                 RingWriter.create(ring_capacity, num_readers=num_local)
             )
@@ -133,7 +145,7 @@ class MultiprocExecutor(Executor):
                 self._ranks.append(local)
             self._wait_attached()
             if listener is not None and cluster is not None:
-                self._nodes = accept_nodes(listener, cluster, stack, self._raise_if_failed)
+                self._nodes = accept_nodes(listener, cluster, stack, self._raise_if_failed, key=key)
                 listener.close()
                 for node in self._nodes:
                     self._ranks += node.ranks

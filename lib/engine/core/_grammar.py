@@ -19,6 +19,7 @@ xgrammar's takes seconds for large tool sets, and masks computed lazily per step
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
 import threading
 import time
@@ -29,7 +30,16 @@ from typing import Any
 
 import numpy as np
 
+from ..protocol._threads import start_thread
+
 MAX_COMPILED = 256  # compiled grammars kept for reuse, by text
+
+
+def compile_stack_bytes(grammar: str) -> int:
+    """The stack a compile of `grammar` gets: llguidance recurses once per link of a rule
+    chain, and the frontend admitted what a stack of 1 KiB per byte survives (its check runs
+    on one, `client._grammar_budget`); the engine gives its compile the same, at least 8 MiB."""
+    return min(max(8 << 20, 1024 * len(grammar)), 1 << 30)
 
 
 class GrammarState:
@@ -104,12 +114,11 @@ class Grammars:
             future.set_result(template)
         elif future is None:  # not compiled, nor compiling for another request (n > 1)
             future = self._compiling[grammar] = concurrent.futures.Future()  # until polled
-            threading.Thread(
-                target=self._compile_into,
-                args=(grammar, future),
-                name="trillm-grammar",
-                daemon=True,
-            ).start()
+            start_thread(
+                functools.partial(self._compile_into, grammar, future),
+                compile_stack_bytes(grammar),
+                "trillm-grammar",
+            )
         self._pending[rnum] = (future, grammar, time.monotonic())
 
     @property

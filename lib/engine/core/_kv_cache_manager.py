@@ -1,19 +1,18 @@
 """Which KV-cache blocks each request holds, and the prefix cache over full blocks.
 
 A request's KV lives in blocks of `block_size` tokens, listed in position order. A full
-block is identified by a hash chained over everything before it:
-`hash((parent_hash, *block_tokens))`, so equal hashes mean equal prefixes (up to a 64-bit
-collision; Python's tuple hash is stable within one process, which is all the index needs).
-Blocks are indexed as soon as their KV is computed (`cache_blocks`, after each step), so a
-request that arrives later with the same prefix shares them instead of recomputing them.
+block is identified by a sha256 chained over everything before it, from a random root drawn
+by this manager (`_block_hash`), so equal hashes mean equal prefixes and no client can craft
+a collision. Blocks are indexed as soon as their KV is computed (`cache_blocks`, after each
+step), so a request that arrives later with the same prefix shares them instead of
+recomputing them.
 """
 
 from __future__ import annotations
 
+from ._block_hash import hash_blocks, new_root_hash
 from ._block_pool import BlockPool
 from ._request import Request, RequestStatus
-
-_ROOT_HASH = 0  # the parent of a request's first block
 
 
 class KVCacheManager:
@@ -25,6 +24,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self.root_hash = new_root_hash()  # the parent of every request's first block
         self._blocks: dict[int, list[int]] = {}  # rnum -> block ids in position order
         self._num_cached_blocks: dict[int, int] = {}  # rnum -> leading blocks already indexed
         # As vLLM's metrics: tokens looked up and tokens found, once per request (the first
@@ -57,16 +57,17 @@ class KVCacheManager:
         """
         if not self._reads_prefix_cache(request):
             return [], 0
-        block_size, pool, hashes = self.block_size, self.pool, request.block_hashes
+        num_lookups = (request.num_tokens - 1) // self.block_size
+        if len(request.block_hashes) < num_lookups:
+            self._hash_blocks(request, num_lookups)  # computed once: cache_blocks needs them too
+        pool, hashes = self.pool, request.block_hashes
         hits: list[int] = []
-        for i in range((request.num_tokens - 1) // block_size):
-            if i == len(hashes):
-                self._hash_blocks(request, i + 1)
+        for i in range(num_lookups):
             block_id = pool.get_cached_block(hashes[i])
             if block_id is None:
                 break
             hits.append(block_id)
-        return hits, len(hits) * block_size
+        return hits, len(hits) * self.block_size
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: list[int] | None = None
@@ -161,8 +162,8 @@ class KVCacheManager:
 
     def _hash_blocks(self, request: Request, num_blocks: int) -> None:
         """Extend `request.block_hashes` to its first `num_blocks` (full) blocks."""
-        hashes, tokens, block_size = request.block_hashes, request.all_token_ids, self.block_size
-        parent = hashes[-1] if hashes else _ROOT_HASH
-        for i in range(len(hashes), num_blocks):
-            parent = hash((parent, *tokens[i * block_size : (i + 1) * block_size]))
-            hashes.append(parent)
+        hashes, block_size = request.block_hashes, self.block_size
+        parent = hashes[-1] if hashes else self.root_hash
+        tokens = request.all_token_ids[len(hashes) * block_size : num_blocks * block_size]
+        # `extra` is where the request's cache salt and adapter identity will go.
+        hashes.extend(hash_blocks(parent, tokens, block_size))

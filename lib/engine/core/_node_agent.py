@@ -2,7 +2,8 @@
 
 ``trillm serve MODEL --headless --node-rank K --nnodes N -tp T --master-addr A --master-port P``
 is this process (no frontend, no engine). It connects to node 0's executor at ``A:P+1``
-(retrying until ``--distributed-timeout``), says who it is, spawns global ranks ``K*L ..
+(retrying until ``--distributed-timeout``), proves the node token and says who it is (and
+checks node 0's proof back: `_node_link`), then spawns global ranks ``K*L ..
 K*L+L-1`` (L = T / N) on its own broadcast ring, and then loops, one thread, in
 `WATCH_INTERVAL` slices: every record the executor sends goes into the ring (the ranks read
 it in place, as on node 0); every record on a rank's result ring (LOAD and INIT_KV replies,
@@ -21,27 +22,34 @@ import sys
 import time
 from typing import Final
 
-import msgspec
 import trio
 
 from ...gpu import _worker_process as W
 from ...gpu._process import is_exiting
 from ...transport_shm import BusyError, RingReader, RingWriter
 from ..protocol._config import EngineConfig
+from ._node_link import (
+    TOKEN_HINT,
+    NodeHello,
+    NodeLinkError,
+    NodeLinkRefusedError,
+    join_node0,
+    link_key,
+    log,
+)
 from ._ranks import LocalRank, reap_exited, spawn_rank, worker_args
 from ._remote_nodes import (
     FRAME,
     LISTEN_PORT_OFFSET,
     NODE_ALIVE,
-    NODE_HELLO,
     NODE_RANK_EXIT,
     RANK_EXIT,
     WATCH_INTERVAL,
     FrameBuffer,
-    NodeHello,
 )
 
 CONNECT_RETRY: Final = 0.2  # seconds between attempts to reach node 0
+REFUSED_RETRY: Final = 1.0  # ... after node 0 closed the connection during the handshake
 SIDE_RING_CAPACITY: Final = 1 << 20
 
 
@@ -54,28 +62,53 @@ def _frame(kind: int, payload: bytes | memoryview = b"", rank: int = -1, at_ns: 
     return FRAME.pack(len(payload), kind, rank, 0, at_ns) + bytes(payload)
 
 
-def connect_to_node0(config: EngineConfig) -> socket.socket:
-    """A connection to node 0's executor, within `distributed_timeout`.
+def connect_to_node0(config: EngineConfig, key: bytes) -> socket.socket:
+    """A connection to node 0's executor that passed the handshake, within
+    `distributed_timeout`.
 
     Raises:
-        NodeAgentError: nobody listened in time.
+        NodeAgentError: nobody listened in time, node 0 kept refusing our HELLO, or what
+            answered is not node 0 with our token.
     """
     assert config.master_port is not None
     address = (config.master_addr, config.master_port + LISTEN_PORT_OFFSET)
+    where = f"{address[0]}:{address[1]}"
+    hello = NodeHello(config.node_rank, config.nnodes, config.tensor_parallel_size)
     deadline = time.monotonic() + config.distributed_timeout
+    refusals = 0
     while True:
         try:
             sock = socket.create_connection(address, timeout=WATCH_INTERVAL * 50)
         except OSError as exc:
             if time.monotonic() + CONNECT_RETRY > deadline:
                 raise NodeAgentError(
-                    f"node 0 did not answer at {address[0]}:{address[1]} within "
+                    f"node 0 did not answer at {where} within "
                     f"{config.distributed_timeout:g} s (--distributed-timeout; last error: "
                     f"{exc}): start node 0 (`trillm serve` with --node-rank 0), or check "
                     f"--master-addr and --master-port"
                 ) from None
             time.sleep(CONNECT_RETRY)
             continue
+        try:
+            join_node0(sock, key, hello, challenge_deadline=deadline)
+        except NodeLinkRefusedError as exc:
+            sock.close()
+            refusals += 1
+            if time.monotonic() + REFUSED_RETRY > deadline:
+                raise NodeAgentError(
+                    f"node 0 at {where} refused this node's HELLO {refusals} times within "
+                    f"{config.distributed_timeout:g} s (--distributed-timeout; last: {exc}): "
+                    f"{TOKEN_HINT}, and the same --nnodes and --tensor-parallel-size; node 0's "
+                    "log names the cause"
+                ) from None
+            time.sleep(REFUSED_RETRY)
+            continue
+        except NodeLinkError as exc:
+            sock.close()
+            raise NodeAgentError(f"the node link at {where} failed its handshake: {exc}") from None
+        except BaseException:
+            sock.close()
+            raise
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
@@ -139,10 +172,6 @@ class NodeAgent:
 
     def serve(self) -> int:
         """Relay until CMD_SHUTDOWN (0) or the end of node 0's connection (1)."""
-        hello = NodeHello(
-            self.config.node_rank, self.config.nnodes, self.config.tensor_parallel_size
-        )
-        self._send(_frame(NODE_HELLO, msgspec.msgpack.encode(hello)))
         self._wait_attached()
         while True:
             readable, _, _ = select.select([self.sock], [], [], WATCH_INTERVAL)
@@ -243,18 +272,28 @@ class NodeAgent:
             raise NodeAgentError(f"node 0's connection broke: {exc}") from None
 
 
-def run_node_agent(config: EngineConfig, *, shutdown_timeout: float = 5.0) -> int:
+def run_node_agent(
+    config: EngineConfig, *, node_token: bytes | None = None, shutdown_timeout: float = 5.0
+) -> int:
     """Serve this node's ranks for node 0's engine until it shuts down; the exit code.
 
     An engine that goes away without CMD_SHUTDOWN (it died; its frontend may start another)
     ends this node's ranks too; the agent then waits `distributed_timeout` for the next
     engine to connect, with fresh ranks.
 
+    Args:
+        node_token: the secret every node shares (None: only with `insecure_node_link`).
+
     Raises:
-        NodeAgentError: node 0 is unreachable (within `distributed_timeout`) or went away.
+        NodeTokenError: no token, and no `insecure_node_link` either.
+        NodeAgentError: node 0 is unreachable (within `distributed_timeout`), went away, or
+            did not pass the handshake.
     """
+    key = link_key(config.nnodes, node_token, insecure=config.insecure_node_link)
+    if config.insecure_node_link:
+        log("joining without a node token (--insecure-node-link): anyone can pose as node 0")
     while True:
-        sock = connect_to_node0(config)
+        sock = connect_to_node0(config, key)
         sock.settimeout(config.distributed_timeout)  # sendall to a node 0 that stopped reading
         try:
             agent = NodeAgent(config, sock)

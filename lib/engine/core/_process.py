@@ -45,8 +45,13 @@ def make_executor(config: EngineConfig) -> Executor:
             step_time=config.null_step_time,
         )
     from ._executor_multiproc import MultiprocExecutor
+    from ._node_link import node_token_from_environment
 
-    return MultiprocExecutor(config.worker, config.tensor_parallel_size, cluster=config)
+    # Read here, not parsed into `config`: see `node_token_from_environment`.
+    token = node_token_from_environment() if config.nnodes > 1 else None
+    return MultiprocExecutor(
+        config.worker, config.tensor_parallel_size, cluster=config, node_token=token
+    )
 
 
 def root_cause(exc: BaseException) -> RemoteError:

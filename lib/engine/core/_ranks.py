@@ -26,6 +26,7 @@ from ...gpu import _worker_process as W
 from ...gpu._process import is_exiting, process_state
 from ...transport_shm import Record, RingAddress, RingReader
 from ..protocol._errors import RemoteError
+from ._node_link import without_node_token
 
 
 def free_tcp_port() -> int:
@@ -146,6 +147,7 @@ def spawn_rank(
         [sys.executable, "-m", "trillm.gpu._worker_process", msgspec.json.encode(args)],
         pass_fds=(*commands.fds, *results.address.fds),
         stdin=subprocess.DEVNULL,
+        env=without_node_token(),
     )
     stack.callback(reap, process)
     pidfd = os.pidfd_open(process.pid)

@@ -1,11 +1,11 @@
 """The executor's side of tensor parallelism across nodes: one TCP connection per node agent.
 
 Node 0's executor listens on ``master_addr:master_port + 1`` (torch.distributed's store has
-``master_port``). Each node agent (`_node_agent`) connects, says who it is (`NodeHello`),
-then receives every broadcast record and writes it into its own node's broadcast ring. The
-agent sends back its ranks' replies (LOAD's block counts, INIT_KV's OK, FAILURE records),
-their exits, and an ALIVE frame at most every `WATCH_INTERVAL` while every rank it has not
-reported is alive. Frames both ways::
+``master_port``). Each node agent (`_node_agent`) connects, proves the node token and says who
+it is (`_node_link`'s handshake, accepted by `_node_join`), then receives every broadcast
+record and writes it into its own node's broadcast ring. The agent sends back its ranks'
+replies (LOAD's block counts, INIT_KV's OK, FAILURE records), their exits, and an ALIVE frame
+at most every `WATCH_INTERVAL` while every rank it has not reported is alive. Frames both ways::
 
     [u32 payload length][u32 kind][i32 global rank, -1: the node][u32 0][i64 sender's
     CLOCK_MONOTONIC ns][payload]
@@ -27,33 +27,19 @@ import time
 from collections.abc import Callable
 from typing import Final
 
-import msgspec
 import trio
 
 from ...gpu import _worker_process as W
 from ...transport_shm import BusyError, Record
-from ..protocol._config import EngineConfig
 from ..protocol._errors import RemoteError
+from ._node_link import FRAME as FRAME
 from ._ranks import RankState
 
-FRAME: Final = struct.Struct("<IIiIq")
-NODE_HELLO: Final = 201  # agent -> executor, first frame: `NodeHello` msgpack
 NODE_ALIVE: Final = 202  # agent -> executor: its unreported ranks were alive at the frame's time
 NODE_RANK_EXIT: Final = 203  # agent -> executor, a rank's: i64 returncode, i64 alive at (ns)
 RANK_EXIT: Final = struct.Struct("<qq")
 LISTEN_PORT_OFFSET: Final = 1  # the listener is on master_port + 1
 WATCH_INTERVAL: Final = 0.02
-HELLO_TIMEOUT: Final = 10.0  # seconds a connected agent has to say who it is
-
-
-class NodeJoinError(RuntimeError):
-    """A node did not join (in time, or with the same flags); the message says what to run."""
-
-
-class NodeHello(msgspec.Struct, array_like=True, frozen=True):
-    node_rank: int
-    nnodes: int
-    tensor_parallel_size: int
 
 
 def encode_frame(kind: int, payload: bytes | bytearray | memoryview = b"", rank: int = -1) -> bytes:
@@ -84,15 +70,6 @@ class FrameBuffer:
         while (frame := self.next_frame()) is not None:
             out.append(frame)
         return out
-
-
-def join_command(config: EngineConfig, node_rank: int) -> str:
-    port = config.master_port
-    return (
-        f"trillm serve {config.worker.model} --headless --node-rank {node_rank} --nnodes "
-        f"{config.nnodes} --tensor-parallel-size {config.tensor_parallel_size} --master-addr "
-        f"{config.master_addr} --master-port {port}"
-    )
 
 
 class RemoteResults:
@@ -239,101 +216,3 @@ class RemoteNode:
                     f"the connection to node {self.node_rank}'s agent closed ({reason}): "
                     f"the node, its agent or the network died",
                 )
-
-
-def open_listener(config: EngineConfig) -> socket.socket:
-    """The socket node agents connect to (``master_addr:master_port + 1``)."""
-    assert config.master_port is not None
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        port = config.master_port + LISTEN_PORT_OFFSET
-        try:
-            listener.bind((config.master_addr, port))
-        except OSError as exc:
-            raise NodeJoinError(
-                f"cannot listen for node agents on {config.master_addr}:{port} "
-                f"(--master-port {config.master_port} + 1): {exc}"
-            ) from None
-        listener.listen(config.nnodes)
-    except BaseException:
-        listener.close()
-        raise
-    return listener
-
-
-def accept_nodes(
-    listener: socket.socket,
-    config: EngineConfig,
-    stack: contextlib.ExitStack,
-    sweep: Callable[[], None],
-) -> list[RemoteNode]:
-    """Every other node's agent, within `distributed_timeout`; `sweep()` runs every slice.
-
-    Raises:
-        NodeJoinError: a node did not connect in time, or with other flags.
-    """
-    per_node = config.ranks_per_node
-    nodes: dict[int, RemoteNode] = {}
-    started = time.monotonic()
-    deadline = started + config.distributed_timeout
-    while len(nodes) < config.nnodes - 1:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            missing = [k for k in range(1, config.nnodes) if k not in nodes]
-            first = missing[0]
-            raise NodeJoinError(
-                f"node {first} of {config.nnodes} did not join within "
-                f"{config.distributed_timeout:g} s (--distributed-timeout): start "
-                f"`{join_command(config, first)}`"
-                + (f"; nodes {missing} are missing" if len(missing) > 1 else "")
-            )
-        readable, _, _ = select.select([listener], [], [], min(left, WATCH_INTERVAL))
-        sweep()
-        if not readable:
-            continue
-        sock, _ = listener.accept()
-        stack.callback(sock.close)
-        hello, offset_ns, received = _read_hello(sock)
-        if hello is None:
-            sock.close()
-            continue
-        if (hello.nnodes, hello.tensor_parallel_size) != (
-            config.nnodes,
-            config.tensor_parallel_size,
-        ) or not 0 < hello.node_rank < config.nnodes:
-            raise NodeJoinError(
-                f"node {hello.node_rank} joined with --nnodes {hello.nnodes} "
-                f"--tensor-parallel-size {hello.tensor_parallel_size}, node 0 has --nnodes "
-                f"{config.nnodes} --tensor-parallel-size {config.tensor_parallel_size}: "
-                f"start every node with the same flags"
-            )
-        if hello.node_rank in nodes:
-            raise NodeJoinError(f"node {hello.node_rank} joined twice: one --node-rank each")
-        k = hello.node_rank
-        ranks = range(k * per_node, (k + 1) * per_node)
-        nodes[k] = RemoteNode(k, sock, ranks, offset_ns, received)
-    return [nodes[k] for k in sorted(nodes)]
-
-
-def _read_hello(sock: socket.socket) -> tuple[NodeHello | None, int, FrameBuffer]:
-    """The agent's HELLO, the first clock offset and what came after; None for a peer that
-    is no agent."""
-    sock.settimeout(HELLO_TIMEOUT)
-    received = FrameBuffer()
-    try:
-        while (frame := received.next_frame()) is None:
-            data = sock.recv(1 << 16)
-            if not data:
-                return None, 0, received
-            received.data += data
-    except OSError:
-        return None, 0, received
-    kind, _, sent_ns, payload = frame
-    if kind != NODE_HELLO:
-        return None, 0, received
-    try:
-        hello = msgspec.msgpack.decode(payload, type=NodeHello)
-    except msgspec.DecodeError:
-        return None, 0, received
-    return hello, time.monotonic_ns() - sent_ns, received

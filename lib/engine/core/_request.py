@@ -48,8 +48,8 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason = FinishReason.NONE
-    # Chained hashes of full blocks, extended lazily by the KV-cache manager.
-    block_hashes: list[int] = field(default_factory=list)
+    # Chained hashes of full blocks (sha256 digests), extended lazily by the KV-cache manager.
+    block_hashes: list[bytes] = field(default_factory=list)
     # One past the last prompt position whose logprobs were reported (positions start at 1),
     # so a recompute after preemption does not report them twice.
     prompt_logprobs_end: int = 1

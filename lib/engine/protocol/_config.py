@@ -48,6 +48,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
     distributed_timeout: float = 120.0  # seconds for every node to join
+    # The node link without a node token (anyone who reaches it can join). The token itself
+    # is no field: this config travels on the engine's command line, which every user can
+    # read; the frontend hands it over in TRILLM_NODE_TOKEN (engine.core._node_link).
+    insecure_node_link: bool = False
     # Which of the frontend's data-parallel engines this is (None: the only one); it names
     # the process (`trillm::engine_<i>`) and its profiler traces.
     data_parallel_rank: int | None = None

@@ -51,7 +51,23 @@ VOCAB = 49152
         (
             {"repetition_penalty": 0.0},
             "repetition_penalty",
-            "repetition_penalty must be > 0, got 0.0",
+            "repetition_penalty must be in [0.001, 1000], got 0.0",
+        ),
+        (
+            {"repetition_penalty": 1e-38},
+            "repetition_penalty",
+            "repetition_penalty must be in [0.001, 1000], got 1e-38",
+        ),
+        ({"temperature": 3.5e38}, "temperature", "temperature must be <= 100, got 3.5e+38"),
+        (
+            {"logit_bias": {i: 1.0 for i in range(1025)}},
+            "logit_bias",
+            "the number of logit_bias entries must be <= 1024, got 1025",
+        ),
+        (
+            {"stop_token_ids": list(range(1025))},
+            "stop_token_ids",
+            "the number of stop_token_ids must be <= 1024, got 1025",
         ),
         ({"seed": -1}, "seed", "seed must be in [0, 2**63), got -1"),
         ({"seed": 2**63}, "seed", f"seed must be in [0, 2**63), got {2**63}"),
@@ -100,7 +116,7 @@ def test_limits_themselves_are_valid() -> None:
         presence_penalty=-2.0,
         frequency_penalty=2.0,
         repetition_penalty=1e-3,
-        logit_bias={0: -100.0, 1: 100.0},
+        logit_bias={0: -100.0, 1: 100.0, **{i: 0.0 for i in range(2, 1024)}},
         seed=2**63 - 1,
         stop=["x" * 1024] + [str(i) for i in range(63)],
         stop_token_ids=[0],
@@ -200,6 +216,18 @@ def test_logit_bias_id_beyond_the_vocabulary() -> None:
     with pytest.raises(SamplingParamsError, match=f"^{re.escape(message)}$") as info:
         params.to_options(vocab_size=VOCAB)
     assert (info.value.field, info.value.value) == ("logit_bias", VOCAB)
+
+
+def test_check_vocab_names_the_field_the_id_and_the_size() -> None:
+    SamplingParams(logit_bias={VOCAB - 1: 1.0}, stop_token_ids=[VOCAB - 1]).check_vocab(VOCAB)
+    message = f"stop_token_ids must be < vocab_size ({VOCAB}), got {2**40}"
+    with pytest.raises(SamplingParamsError, match=f"^{re.escape(message)}$") as info:
+        SamplingParams(stop_token_ids=[3, 2**40]).check_vocab(VOCAB)
+    assert (info.value.field, info.value.value) == ("stop_token_ids", 2**40)
+
+
+def test_limits_at_the_top_are_valid() -> None:
+    SamplingParams(temperature=100.0, repetition_penalty=1000.0, stop_token_ids=list(range(1024)))
 
 
 def test_stop_token_id_beyond_the_vocabulary() -> None:

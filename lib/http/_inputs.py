@@ -1,0 +1,135 @@
+"""A generation request's inputs, checked whole before its response starts, the large ones
+off the loop (`_offload`): sampling parameters (token ids against the vocabulary, a
+constraint serialised), prompts tokenised and length-checked, the chat template rendered,
+echoed prompts decoded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..engine.client import AsyncLLM, SamplingParams
+from . import _schemas as S
+from ._constraints import function_dicts
+from ._errors import RequestError
+from ._offload import INLINE_BELOW, Offload
+from ._tools import DEFAULT_TOOL_PROMPT, chat_messages
+
+Request = S.CompletionRequest | S.ChatCompletionRequest
+
+
+class Inputs:
+    """Turns requests into what `AsyncLLM.generate` takes, for one model."""
+
+    def __init__(self, llm: AsyncLLM, offload: Offload) -> None:
+        self.llm = llm
+        self.offload = offload
+
+    async def sampling_params(
+        self, request: Request, *, tool_format: str = "hermes", with_functions: bool = False
+    ) -> tuple[SamplingParams, list[dict[str, Any]]]:
+        """The request's checked `SamplingParams`, and its tools as the dicts a template
+        reads when `with_functions` (else none).
+
+        Raises:
+            RequestError: 400 naming the field (`to_sampling_params`).
+        """
+        vocab = self.llm.ready.vocab_size
+
+        def convert() -> tuple[SamplingParams, list[dict[str, Any]]]:
+            params = S.to_sampling_params(request, tool_format=tool_format, vocab_size=vocab)
+            tools = getattr(request, "tools", None) or []
+            return params, function_dicts(tools) if with_functions else []
+
+        return await self.offload.run(_constraint_size(request), convert)
+
+    async def prompts(
+        self, prompts: list[str | list[int]], params: SamplingParams
+    ) -> list[str | list[int]]:
+        """Every prompt tokenised and length-checked now, so a bad one is a 400, not a
+        broken stream (the response has not started yet).
+
+        Raises:
+            RequestError: 400: an empty prompt, an id outside the vocabulary, a text whose
+                head alone is longer than the model holds.
+            PromptTooLongError: a prompt and max_tokens exceed the model's maximum length.
+        """
+
+        def validated() -> list[str | list[int]]:
+            out: list[str | list[int]] = []
+            for prompt in prompts:
+                try:
+                    ids = self.llm.tokenize(prompt)
+                except ValueError as exc:  # (PromptTooLongError of a text's head, too)
+                    raise RequestError(400, str(exc), param="prompt") from exc
+                self.llm.check_length(len(ids), params)
+                out.append(ids)
+            return out
+
+        return await self.offload.run(sum(len(p) for p in prompts), validated)
+
+    async def chat_prompt(
+        self,
+        messages: list[S.ChatMessage],
+        functions: list[dict[str, Any]] | None = None,
+        tool_prompt: str = DEFAULT_TOOL_PROMPT,
+    ) -> list[int]:
+        """The chat template over `messages` (and `functions`), as token ids.
+
+        Raises:
+            RequestError: 400: more messages than the model has positions (each message
+                takes at least one token, whatever the template).
+            ChatTemplateError: the template refused the messages or failed on them.
+        """
+        limit = self.llm.max_model_len
+        if len(messages) > limit:
+            raise RequestError(
+                400,
+                f"{len(messages)} messages cannot fit in the model's maximum length of {limit} "
+                f"tokens (each takes at least one); send fewer",
+                param="messages",
+            )
+        functions = functions or []
+        reads_tools = self.llm.template_reads_tools
+
+        def render() -> list[int]:
+            rendered, tools = chat_messages(
+                S.chat_template_messages(messages), functions, reads_tools, tool_prompt
+            )
+            ids: list[int] = self.llm.apply_chat_template(rendered, tools)
+            return ids
+
+        return await self.offload.run(_chat_size(messages, functions), render)
+
+    async def echo(self, prompts: list[str | list[int]], request: Any) -> list[S.EchoPrompt] | None:
+        """The prompts as `echo` shows them (None unless the request asks for it)."""
+        if not getattr(request, "echo", False):
+            return None
+        tokenizer = self.llm.tokenizer
+
+        def echoes() -> list[S.EchoPrompt]:
+            out = []
+            for prompt in prompts:
+                ids = tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+                text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+                out.append(S.EchoPrompt(text, ids))
+            return out
+
+        return await self.offload.run(sum(len(p) for p in prompts), echoes)
+
+
+def _constraint_size(request: Request) -> int:
+    """The work of mapping a request's fields to `SamplingParams`, in the offload's units: a
+    constraint (tools, a schema) is serialised, which may be megabytes."""
+    tools = getattr(request, "tools", None)
+    if tools or request.structured_outputs is not None or request.response_format is not None:
+        return INLINE_BELOW
+    return 0
+
+
+def _chat_size(messages: list[S.ChatMessage], functions: list[dict[str, Any]]) -> int:
+    """The work of rendering a conversation, in the offload's units: a short one with no
+    tools stays on the loop (a 2-message template takes about 30-55 µs)."""
+    if len(messages) > 8 or functions:
+        return INLINE_BELOW
+    return sum(len(m.text) + 64 for m in messages)
