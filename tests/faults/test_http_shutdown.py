@@ -23,7 +23,7 @@ from .http_harness import null_args, open_sse, port_of, serving, tiny_model_dir
 SHUTDOWN_TIMEOUT = 2.0
 SUPERVISION = [
     pytest.param((), id="unsupervised"),
-    pytest.param(("--max-api-restarts", "3"), id="supervised"),
+    pytest.param(("--max-api-restarts", "3"), id="supervised", marks=pytest.mark.slow),
 ]
 
 

@@ -183,6 +183,7 @@ def test_the_red_teams_chains_are_400s_naming_the_limit_and_the_server_serves_on
         assert "the API server" not in server.output()
 
 
+@pytest.mark.slow
 def test_a_raised_budget_admits_3000_links_and_the_api_process_lives(model: Path) -> None:
     """`--structured-outputs-max-depth 100000`: the frontend's check (256 MiB stack) passes
     the 3,000 rules; the engine, compiling them again on an 8 MiB thread, dies twice (the
@@ -226,6 +227,7 @@ def in_flight(server: Served) -> float:
     return scrape(server)["trillm:http_requests_in_flight"]  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_planted_crashes_are_survived_logged_and_bounded(model: Path) -> None:
     with served(model, *CRASH_FLAGS) as server, ThreadPoolExecutor(1) as pool:
         pids = [api_pid(server)]
@@ -289,6 +291,7 @@ def test_planted_crashes_are_survived_logged_and_bounded(model: Path) -> None:
         wait_dead(server.seen, 10)
 
 
+@pytest.mark.slow
 def test_without_the_supervisor_the_same_crash_ends_the_server(model: Path) -> None:
     """`--max-api-restarts 0`: the API server is the `trillm serve` process, as before."""
     with served(model, "--max-api-restarts", "0", "--enable-dev-endpoints") as server:
@@ -312,6 +315,7 @@ def test_sigkill_of_the_supervisor_leaves_no_process(model: Path) -> None:
         assert shm_names_of(tree) == []
 
 
+@pytest.mark.slow
 def test_an_engine_death_past_its_restarts_ends_the_supervisor_with_status_1(model: Path) -> None:
     """Not an API crash: the API server exits on purpose (1, the cause on stderr), and so does
     the supervisor, without starting it again."""
@@ -328,6 +332,7 @@ def test_an_engine_death_past_its_restarts_ends_the_supervisor_with_status_1(mod
         assert is_dead(api)
 
 
+@pytest.mark.slow
 def test_a_start_up_failure_is_reported_once_not_restarted(tmp_path: Path) -> None:
     with served(tmp_path / "no-such-model", *SUPERVISED, healthy=False) as server:
         assert server.wait_exit(120) == 1
@@ -365,6 +370,7 @@ sys.exit(supervise(config, serve, max_restarts=2, window=60))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("plan", "status", "restarts", "last"),
     [
@@ -395,6 +401,7 @@ def test_what_the_supervisor_restarts_and_what_it_exits_with(
         assert run.stderr.count("RuntimeError: a bug") == 3
 
 
+@pytest.mark.slow
 def test_a_taken_port_is_refused_before_any_child(model: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -242,6 +242,7 @@ def test_softcapped_scores_match_the_dense_reference(window: int) -> None:
     assert out_err < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("segments", "softcap"), [(2, 0.0), (16, 2.0)])
 def test_split_kv_segments_split_only_the_window(segments: int, softcap: float) -> None:
     """A 400-key window over 701 keys is tiles 2..5 of 128: two segments take two tiles each
@@ -260,6 +261,7 @@ def test_a_window_past_the_context_changes_nothing_bit_for_bit() -> None:
     assert torch.equal(full, windowed)
 
 
+@pytest.mark.slow
 @settings(
     max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )

@@ -212,6 +212,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 @NEEDS_C
 def test_the_avx2_build_runs_the_families_too(tmp_path: Path) -> None:
     """The vector code the families brought (tanh for soft-caps, GeGLU, the experts) built

@@ -42,19 +42,14 @@ def test_greedy_tokens_equal_transformers_batched_alone_and_in_chunks(family_dir
     hf = _reference(family_dir)
     expected = [families.greedy(hf, prompt, MAX_TOKENS) for prompt in PROMPTS]
     runner = make_runner(family_dir)
+    assert runner.kernels is not None  # the start-up line names the decode path and why
+    assert runner.kernels.decode.startswith(("c (", "torch (")), runner.kernels.decode
     batched = [DriverRequest(i, p, MAX_TOKENS, arrival_step=i) for i, p in enumerate(PROMPTS)]
     Driver(runner, 64, chunk=5).run(batched)  # prefill chunks of 5 beside decodes
     assert [r.output for r in batched] == expected
     alone = [DriverRequest(9, PROMPTS[3], MAX_TOKENS)]
     Driver(make_runner(family_dir), 64).run(alone)
     assert alone[0].output == expected[3]
-
-
-def test_the_start_up_line_says_which_decode_path_each_family_takes(family_dir: Path) -> None:
-    runner = make_runner(family_dir)
-    assert runner.kernels is not None
-    decode = runner.kernels.decode
-    assert decode.startswith("c (") or decode.startswith("torch (the C step has no "), decode
 
 
 def test_an_unsupported_model_type_lists_the_supported_ones() -> None:
@@ -99,10 +94,11 @@ def _check_engine(model_dir: Path) -> None:
     assert [cached for _, cached in outputs][1:] == [40, 40]  # the shared blocks were reused
 
 
+@pytest.mark.slow
 def test_the_engine_with_prefix_caching_and_chunked_prefill_gives_transformers_tokens(
     tmp_path: Path,
 ) -> None:
-    """A sliding-window family in `make test`; every other family in the slow set."""
+    """A sliding-window family; every other family in the next test."""
     _check_engine(families.save("gemma2", tmp_path))
 
 

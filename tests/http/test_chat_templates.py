@@ -536,6 +536,7 @@ async def test_a_template_that_breaks_on_the_messages_is_a_400_naming_the_cause(
         assert r.status_code == 200, r.text  # only chat needs the template
 
 
+@pytest.mark.slow
 def test_the_server_answers_gemma2s_system_refusal_with_400_and_serves_on(
     tiny_model: Path, tmp_path: Path
 ) -> None:

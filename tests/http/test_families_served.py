@@ -18,7 +18,8 @@ PROMPT = list(range(400, 423))
 
 
 @pytest.mark.parametrize(
-    "family", ["gemma3_text", pytest.param("qwen3_moe", marks=pytest.mark.slow)]
+    "family",
+    [pytest.param(f, marks=pytest.mark.slow) for f in ("gemma3_text", "qwen3_moe")],
 )
 def test_the_served_completion_is_transformers_greedy_text(family: str, tmp_path: Path) -> None:
     model_dir = families.save(family, tmp_path)
