@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from .._model_config import ModelConfig, rope_parameters, sliding_windows
-from .._parallel import TensorParallel
-from .._rotary import Rope, RotaryEmbedding
+from .._layers import RMSNorm
+from .._model_config import rope_parameters, sliding_windows
+from .._rotary import Rope
 from .llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM, Meta
 
 
@@ -64,17 +64,14 @@ def _activation(name: object) -> str:
 class GemmaDecoderLayer(LlamaDecoderLayer):
     """x + norm(attn(norm(x))), then x + norm(mlp(norm(x)))."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        layer: int,
-        rotary: RotaryEmbedding | None,
-        tp: TensorParallel,
-        dtype: torch.dtype,
-    ) -> None:
-        super().__init__(config, layer, rotary, tp, dtype)
-        self.pre_feedforward_layernorm = self.make_norm(config, dtype)
-        self.post_feedforward_layernorm = self.make_norm(config, dtype)
+    pre_feedforward_layernorm: RMSNorm
+    post_feedforward_layernorm: RMSNorm
+    norm_names = (
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    )
 
     def forward(
         self, rope: Rope | None, hidden: torch.Tensor, kv: KVCache, meta: Meta

@@ -11,9 +11,7 @@ from typing import Any
 
 import torch
 
-from .._model_config import ModelConfig
-from .._parallel import TensorParallel
-from .._rotary import Rope, RotaryEmbedding
+from .._rotary import Rope
 from .llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM, Meta
 
 
@@ -30,21 +28,10 @@ def parse_config(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 class GraniteDecoderLayer(LlamaDecoderLayer):
-    def __init__(
-        self,
-        config: ModelConfig,
-        layer: int,
-        rotary: RotaryEmbedding | None,
-        tp: TensorParallel,
-        dtype: torch.dtype,
-    ) -> None:
-        super().__init__(config, layer, rotary, tp, dtype)
-        self.multiplier = config.residual_multiplier
-
     def forward(
         self, rope: Rope | None, hidden: torch.Tensor, kv: KVCache, meta: Meta
     ) -> torch.Tensor:
-        m = self.multiplier
+        m = self.residual_multiplier
         hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv, meta) * m
         result: torch.Tensor = hidden + self.mlp(self.post_attention_layernorm(hidden)) * m
         return result

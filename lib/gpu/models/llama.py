@@ -149,7 +149,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x)). Families with other norm
-    placements override `forward` (and add their norms in `__init__`)."""
+    placements override `forward` and name their norms in `norm_names`."""
+
+    norm_names: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
 
     def __init__(
         self,
@@ -161,9 +165,10 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.layer = layer
-        self.input_layernorm = self.make_norm(config, dtype)
+        self.residual_multiplier = config.residual_multiplier
+        for name in self.norm_names:
+            setattr(self, name, self.make_norm(config, dtype))
         self.self_attn = LlamaAttention(config, layer, rotary, tp, dtype)
-        self.post_attention_layernorm = self.make_norm(config, dtype)
         self.mlp = self.make_mlp(config, layer, tp, dtype)
 
     @staticmethod

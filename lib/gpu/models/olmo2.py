@@ -11,9 +11,8 @@ from typing import Any
 
 import torch
 
-from .._model_config import ModelConfig
-from .._parallel import TensorParallel
-from .._rotary import Rope, RotaryEmbedding
+from .._layers import RMSNorm
+from .._rotary import Rope
 from .llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM, Meta
 
 
@@ -25,17 +24,11 @@ def parse_config(raw: dict[str, Any]) -> dict[str, Any]:
 class Olmo2DecoderLayer(LlamaDecoderLayer):
     """x + norm(attn(x)), then x + norm(mlp(x)); no norm before either block."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        layer: int,
-        rotary: RotaryEmbedding | None,
-        tp: TensorParallel,
-        dtype: torch.dtype,
-    ) -> None:
-        super().__init__(config, layer, rotary, tp, dtype)
-        del self.input_layernorm  # the checkpoint has none
-        self.post_feedforward_layernorm = self.make_norm(config, dtype)
+    post_feedforward_layernorm: RMSNorm
+    norm_names = (
+        "post_attention_layernorm",
+        "post_feedforward_layernorm",
+    )  # no norm before either block
 
     def forward(
         self, rope: Rope | None, hidden: torch.Tensor, kv: KVCache, meta: Meta
