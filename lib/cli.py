@@ -255,6 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the largest JSON schema, regex or grammar a request may send; larger is a 400",
     )
     serve.add_argument(
+        "--structured-outputs-max-regex-optionals",
+        type=int,
+        default=1000,
+        help="the most optional items (? or *) one regex or grammar terminal may hold; more is "
+        "a 400 (their compile time grows with the square of their number)",
+    )
+    serve.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='allow tool_choice "auto": the model chooses between text and tool calls',
@@ -407,6 +414,7 @@ def serve_main(args: argparse.Namespace) -> int:
         structured_outputs_timeout=args.structured_outputs_timeout,
         structured_outputs_max_depth=args.structured_outputs_max_depth,
         structured_outputs_max_bytes=args.structured_outputs_max_bytes,
+        structured_outputs_max_regex_optionals=args.structured_outputs_max_regex_optionals,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,

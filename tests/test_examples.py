@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_stream_chat_example_answers() -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples/stream_chat.py"), "What is the capital of France?"],
@@ -25,6 +26,7 @@ def test_stream_chat_example_answers() -> None:
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.slow
 def test_offline_batch_example_completes_100_prompts_in_order() -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples/offline_batch.py")],

@@ -31,6 +31,7 @@ from hypercorn.config import Config as HypercornConfig
 
 from ..engine.client import (
     MAX_GRAMMAR_BYTES,
+    MAX_REGEX_OPTIONALS,
     MAX_STRUCTURED_DEPTH,
     REASONING_PARSERS,
     EngineConfig,
@@ -206,6 +207,7 @@ def build_config(
     profiler_dir: str | None = None,
     structured_outputs_max_depth: int = MAX_STRUCTURED_DEPTH,
     structured_outputs_max_bytes: int = MAX_GRAMMAR_BYTES,
+    structured_outputs_max_regex_optionals: int = MAX_REGEX_OPTIONALS,
     enable_prompt_tokens_details: bool = False,
 ) -> ServerConfig:
     if engine_death_grace < 0:
@@ -286,6 +288,7 @@ def build_config(
             in_process=engine_in_process,
             structured_outputs_max_depth=structured_outputs_max_depth,
             structured_outputs_max_bytes=structured_outputs_max_bytes,
+            structured_outputs_max_regex_optionals=structured_outputs_max_regex_optionals,
         ),
         engine_death_grace=engine_death_grace,
         keep_alive_on_engine_death=keep_alive_on_engine_death,

@@ -25,6 +25,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model_dir(tmp_path_factory)
 
 
+@pytest.mark.slow
 async def test_one_engines_sigkill_fails_only_its_streams(model: Path) -> None:
     with served(model, "--data-parallel-size", "2") as server:
         engines = sorted(children(server.pid))  # spawned in order: engine 0, then engine 1

@@ -127,6 +127,7 @@ async def test_a_client_that_stops_reading_is_dropped_without_stalling_others(
     assert dropped_after < WRITE_TIMEOUT + 8
 
 
+@pytest.mark.slow
 def test_a_client_that_stops_reading_does_not_hold_a_graceful_shutdown(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:

@@ -148,6 +148,7 @@ async def test_sigkill_of_the_headless_node_is_named_to_open_and_new_requests(
         assert shm_names_of(node1.seen) == []
 
 
+@pytest.mark.slow
 def test_a_node_that_never_joins_fails_start_up_naming_it(model: Path) -> None:
     port = free_port_pair()
     command = [

@@ -2,8 +2,8 @@
 `trillm serve` (the supervisor) starts it again.
 
 - The red team's requests (a Lark chain of 3,000 rules; a `response_format` whose `$defs`
-  chain 3,000 `$ref`s; 100,000 links) are 400s naming the limit and the value, and the same
-  API process serves on.
+  chain 3,000 `$ref`s; 100,000 links; a regex of 16,000 `a?`) are 400s naming the limit and
+  the value, and the same API process serves on.
 - With the depth budget raised to admit the 3,000 links, the API process checks them on its
   large stack and lives (what the engine's 8 MiB compile threads make of them is the
   engine's death, resumed and then failed as poison: engine restarts, not this issue).
@@ -151,7 +151,20 @@ def test_the_red_teams_chains_are_400s_naming_the_limit_and_the_server_serves_on
             headers={"content-type": "application/json"},
             timeout=60,
         )
+        with pytest.raises(openai.BadRequestError) as optionals:  # 5-7 s in llguidance's lexer
+            client.completions.create(
+                model="tiny",
+                prompt="x",
+                max_tokens=4,
+                extra_body={"structured_outputs": {"regex": "a?" * 16_000}},
+            )
         took = time.monotonic() - started
+        assert isinstance(optionals.value.body, dict)
+        assert optionals.value.body["message"] == (
+            "the structured_outputs.regex has more than 1000 optional items (? or *) in one "
+            "regex, the limit (--structured-outputs-max-regex-optionals); use a counted repeat "
+            "such as a{0,N} instead"
+        )
         assert rules.value.body == {
             "message": "the structured_outputs.grammar nests 3002 deep (rules on one chain of "
             "references, an inline %json adding its depth); the limit is 512 "

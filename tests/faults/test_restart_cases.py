@@ -74,6 +74,7 @@ async def test_sigkill_or_sigstop_of_worker_rank_1_at_tp2_resumes_8_streams_with
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.slow
 async def test_a_third_death_within_the_window_past_2_restarts_exits_naming_the_cause(
     model: Path,
 ) -> None:
@@ -144,6 +145,7 @@ def trillm_shm(server: Served) -> list[str]:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow
 async def test_five_restarts_leave_fds_threads_and_shared_memory_at_the_baseline(
     model: Path,
 ) -> None:

@@ -55,6 +55,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model_dir(tmp_path_factory)
 
 
+@pytest.mark.slow
 async def test_start_up_failures_exit_non_zero_naming_the_cause(
     model: Path, tmp_path: Path
 ) -> None:

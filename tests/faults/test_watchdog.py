@@ -28,6 +28,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model_dir(tmp_path_factory)
 
 
+@pytest.mark.slow
 async def test_a_stopped_engine_is_declared_dead_after_the_watchdog_timeout(model: Path) -> None:
     args = ("--engine-watchdog-timeout", str(TIMEOUT), "--engine-death-grace", "1")
     with served(model, *args) as server:
@@ -59,6 +60,7 @@ async def test_a_stopped_engine_is_declared_dead_after_the_watchdog_timeout(mode
         assert "trillm serve: the engine died: EngineNotRespondingError" in server.output()
 
 
+@pytest.mark.slow
 async def test_a_forward_pass_longer_than_the_watchdog_timeout_is_no_death(model: Path) -> None:
     step = 3.0  # the null executor's step time: three times the timeout, in one forward
     args = ("--executor", "null", "--null-step-time", str(step), "--engine-watchdog-timeout", "1")

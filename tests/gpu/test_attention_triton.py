@@ -156,6 +156,7 @@ HEADS = [(4, 4), (4, 2), (6, 2), (8, 1), (9, 3)]  # (query heads, KV heads): MHA
     block_size=st.sampled_from([8, 16, 32]),
     segments=st.sampled_from([None, 1, 4]),
 )
+@pytest.mark.slow
 def test_mixed_batches_match_the_reference(
     seqs: list[tuple[int, int]],
     heads: tuple[int, int],

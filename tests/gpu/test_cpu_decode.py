@@ -291,6 +291,7 @@ print("ok")
 
 
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"], ids=["avx2", "sse2"])
+@pytest.mark.slow
 def test_the_avx2_and_sse2_builds_compute_the_same(march: str, tmp_path: Path) -> None:
     """Machines differ: the C code built for AVX2 (no AVX-512) and for plain x86-64 (SSE2, no
     F16C: the scalar float16 path) runs here too, and must give the same products."""

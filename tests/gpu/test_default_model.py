@@ -92,6 +92,7 @@ def test_reuse_does_not_convert(
     assert default_model_dir(cache_dir, progress=False) == model_dir
 
 
+@pytest.mark.slow
 def test_damaged_file_is_converted_again(
     model_dir: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -422,6 +422,7 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.mark.timeout(300)  # two SmolLM2 loads: 7 s on 2 idle cores, 60 s on busy ones
+@pytest.mark.slow
 def test_smollm2_q4_1_logits_and_greedy_tokens_follow_the_dequantized_model(
     smollm2_gguf: Path,
 ) -> None:
@@ -468,6 +469,7 @@ print(json.dumps({"rss": rss() - before, "weights": runner.model.weight_bytes()}
 
 
 @pytest.mark.timeout(300)  # two SmolLM2 loads: 7 s on 2 idle cores, 60 s on busy ones
+@pytest.mark.slow
 def test_smollm2_q4_1_kept_quantized_takes_about_its_file_size_in_memory(
     smollm2_gguf: Path,
 ) -> None:

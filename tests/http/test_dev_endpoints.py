@@ -223,6 +223,7 @@ def test_profile_writes_a_trace_to_the_profiler_dir(dev_server: Server) -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_data_parallel_titles_and_controls_reach_every_engine(tiny_model: Path) -> None:
     server = start_server(
         tiny_model,

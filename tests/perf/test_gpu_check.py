@@ -29,6 +29,7 @@ def gpu_check(out: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], 
     return proc, json.loads((out / "gpu_check.json").read_text())
 
 
+@pytest.mark.slow
 def test_the_dry_run_passes_and_reports_every_part(tmp_path: Path) -> None:
     proc, report = gpu_check(tmp_path / "out", "--dry-run")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -67,6 +68,7 @@ def test_the_dry_run_passes_and_reports_every_part(tmp_path: Path) -> None:
     assert "graphs ms" in summary and "TTFT med ms" in summary
 
 
+@pytest.mark.slow
 def test_without_a_gpu_each_part_fails_on_its_own_and_the_check_exits_non_zero(
     tmp_path: Path,
 ) -> None:

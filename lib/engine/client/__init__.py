@@ -23,6 +23,7 @@ from ._launch import EngineStartError as EngineStartError
 from ._llm import LLM as LLM
 from ._outputs import Output as Output
 from ._outputs import TokenLogprob as TokenLogprob
+from ._regex_size import MAX_REGEX_OPTIONALS as MAX_REGEX_OPTIONALS
 from ._request_output import CompletionOutput as CompletionOutput
 from ._request_output import Logprob as Logprob
 from ._request_output import RequestOutput as RequestOutput

@@ -12,6 +12,7 @@ import msgspec
 from ..protocol._config import EngineConfig
 from ..protocol._messages import MIN_WATCHDOG_TIMEOUT
 from ._grammar_budget import MAX_GRAMMAR_BYTES, MAX_STRUCTURED_DEPTH, GrammarBudget
+from ._regex_size import MAX_REGEX_OPTIONALS
 
 
 @dataclass(frozen=True)
@@ -42,9 +43,10 @@ class LLMConfig:
     # killed); data parallelism is refused.
     in_process: bool = False
     # How deep and how large a request's schema or grammar may be (`_grammar_budget`; the
-    # server's --structured-outputs-max-depth and --structured-outputs-max-bytes).
+    # server's --structured-outputs-max-depth, -max-bytes and -max-regex-optionals).
     structured_outputs_max_depth: int = MAX_STRUCTURED_DEPTH
     structured_outputs_max_bytes: int = MAX_GRAMMAR_BYTES
+    structured_outputs_max_regex_optionals: int = MAX_REGEX_OPTIONALS
 
     def __post_init__(self) -> None:
         self.grammar_budget  # noqa: B018 - built to refuse a bad limit here, at the edge
@@ -68,6 +70,7 @@ class LLMConfig:
         return GrammarBudget(
             max_depth=self.structured_outputs_max_depth,
             max_bytes=self.structured_outputs_max_bytes,
+            max_regex_optionals=self.structured_outputs_max_regex_optionals,
         )
 
     def engine_configs(self) -> list[EngineConfig]:

@@ -31,6 +31,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._depth import gbnf_depth, lark_depth, schema_depth
+from ._regex_size import (
+    MAX_REGEX_OPTIONALS,
+    lark_regex_optionals,
+    regex_optionals,
+    schema_regex_optionals,
+)
 
 MAX_GRAMMAR_BYTES = 256 * 1024  # the default size limit of a schema or grammar
 MAX_STRUCTURED_DEPTH = 512  # the default depth limit (units in the module docstring)
@@ -60,12 +66,18 @@ class GrammarBudget:
 
     max_depth: int = MAX_STRUCTURED_DEPTH
     max_bytes: int = MAX_GRAMMAR_BYTES
+    max_regex_optionals: int = MAX_REGEX_OPTIONALS
 
     def __post_init__(self) -> None:
         if self.max_depth < 1:
             raise ValueError(f"--structured-outputs-max-depth must be >= 1, got {self.max_depth}")
         if self.max_bytes < 1:
             raise ValueError(f"--structured-outputs-max-bytes must be >= 1, got {self.max_bytes}")
+        if self.max_regex_optionals < 1:
+            raise ValueError(
+                "--structured-outputs-max-regex-optionals must be >= 1, "
+                f"got {self.max_regex_optionals}"
+            )
 
     @property
     def stack_bytes(self) -> int:
@@ -98,6 +110,34 @@ class GrammarBudget:
         """Raises `GrammarBudgetError` if the GBNF grammar is deeper than `max_depth` (checked
         before the converter to Lark, whose time grows with the square of a chain)."""
         self._check_depth(gbnf_depth(grammar), "rules on one chain of references")
+
+    def check_regex(self, regex: str) -> None:
+        """Raises `GrammarBudgetError` if the regex has more than `max_regex_optionals`
+        optional items (`?`, `*`: `_regex_size`)."""
+        self._check_optionals(regex_optionals(regex), "regex")
+
+    def check_schema_patterns(self, schema: object) -> None:
+        """Raises `GrammarBudgetError` if one `pattern` of the JSON schema has more than
+        `max_regex_optionals` optional items."""
+        self._check_optionals(schema_regex_optionals(schema), "pattern")
+
+    def check_lark_lexemes(self, grammar: str) -> None:
+        """Raises `GrammarBudgetError` if one lexeme of the Lark grammar (a regex, a terminal
+        with the terminals it names inlined) has more than `max_regex_optionals` optional
+        items. Check the depth first: it bounds the cost of inlining."""
+        limit = self.max_regex_optionals
+        self._check_optionals(lark_regex_optionals(grammar, limit), "regex or terminal")
+
+    def _check_optionals(self, count: int, what: str) -> None:
+        if count > self.max_regex_optionals:
+            raise GrammarBudgetError(
+                f"has more than {self.max_regex_optionals} optional items (? or *) in one "
+                f"{what}, the limit "
+                f"(--structured-outputs-max-regex-optionals); use a counted repeat such as "
+                f"a{{0,N}} instead",
+                value=count,
+                limit=self.max_regex_optionals,
+            )
 
     def _check_depth(self, depth: int, what: str) -> None:
         if depth > self.max_depth:

@@ -96,6 +96,7 @@ class StructuredOutputs(msgspec.Struct, frozen=True, omit_defaults=True, kw_only
                 schema = _schema_object(field, self.json)
                 budget.check_size(_dumps(field, schema))  # first: it bounds the depth's cost
                 budget.check_schema(schema)
+                budget.check_schema_patterns(schema)
                 try:
                     return LLMatcher.grammar_from_json_schema(schema, JSON_OPTIONS)
                 except ValueError as exc:
@@ -103,6 +104,7 @@ class StructuredOutputs(msgspec.Struct, frozen=True, omit_defaults=True, kw_only
             if kind == "regex":
                 regex = str(self.regex)
                 budget.check_size(regex)
+                budget.check_regex(regex)
                 return LLMatcher.grammar_from_regex(regex)
             if kind == "choice":
                 choices = list(self.choice or ())
@@ -120,6 +122,7 @@ class StructuredOutputs(msgspec.Struct, frozen=True, omit_defaults=True, kw_only
             except Exception as exc:  # the GBNF converter raises what its parser meets
                 raise StructuredOutputError(field, f"invalid grammar: {exc}") from None
             budget.check_lark(lark)
+            budget.check_lark_lexemes(lark)
             return LLMatcher.grammar_from_lark(lark)
 
 
@@ -234,7 +237,16 @@ class GrammarChecker:
 
         grammar = constraint.to_grammar(self.budget)
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
-        return grammar, is_error, messages
+        if is_error:
+            return grammar, is_error, messages
+        # Validation does not build the lexer; the engine's matcher does, and can still refuse
+        # ("lexer precomputation failed"): built here too (about 1 ms for a typical schema),
+        # that is a 400 now, not a stream that ends in an error.
+        assert self._tokenizer is not None  # built by `_check` before any validation
+        matcher = LLMatcher(self._tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            return grammar, True, [matcher.get_error()]
+        return grammar, False, messages
 
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")

@@ -21,6 +21,7 @@ wrap this process in a torch profiler and write a Chrome trace.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any
 
@@ -273,6 +274,7 @@ class EngineCore:
             self.scheduler.grammar_ready(rnum, state)
         for rnum, message in failed:
             if self.scheduler.grammar_failed(rnum):
+                print(f"trillm engine: request {rnum} failed: {message}", file=sys.stderr)
                 self._rejected.append(rnum)
                 self._send_event(P.Event("request_error", rnum=rnum, result=message))
                 self._needs_flush = True

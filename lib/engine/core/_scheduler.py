@@ -14,6 +14,7 @@ nobody in a step that preempted means the oldest request always progresses: noth
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -336,7 +337,7 @@ class Scheduler:
             request.append_output_token(token_id)
             reason = request.check_stop(token_id, max_model_len)
             if request.grammar is not None and not reason:
-                reason = _grammar_step(request.grammar, token_id)
+                reason = _grammar_step(request.grammar, token_id, rnum)
             if reason:
                 request.finish(reason)
                 kv.free(request)
@@ -452,10 +453,12 @@ class Scheduler:
         )
 
 
-def _grammar_step(grammar: GrammarState, token_id: int) -> FinishReason:
+def _grammar_step(grammar: GrammarState, token_id: int, rnum: int) -> FinishReason:
     """Advance a request's grammar by its new token: STOP once the grammar is complete
-    (whatever `ignore_eos` says: nothing but EOS could follow), ERROR if the token broke it."""
+    (whatever `ignore_eos` says: nothing but EOS could follow), ERROR if the token broke it
+    (logged: the client sees only `finish_reason: "error"`)."""
     try:
         return FinishReason.STOP if grammar.accept(token_id) else FinishReason.NONE
-    except GrammarViolationError:
+    except GrammarViolationError as exc:
+        print(f"trillm engine: request {rnum} ended in error: {exc}", file=sys.stderr, flush=True)
         return FinishReason.ERROR

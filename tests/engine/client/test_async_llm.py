@@ -242,6 +242,7 @@ async def test_an_engine_that_dies_before_attaching_names_its_exit(
             pass
 
 
+@pytest.mark.slow
 async def test_the_engine_outlives_trios_idle_worker_threads(
     llm: AsyncLLM, in_process: bool
 ) -> None:

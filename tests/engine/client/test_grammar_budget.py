@@ -25,10 +25,20 @@ import pytest
 import trio
 
 from trillm.cli import build_parser
-from trillm.engine.client import MAX_GRAMMAR_BYTES, MAX_STRUCTURED_DEPTH, LLMConfig
+from trillm.engine.client import (
+    MAX_GRAMMAR_BYTES,
+    MAX_REGEX_OPTIONALS,
+    MAX_STRUCTURED_DEPTH,
+    LLMConfig,
+)
 from trillm.engine.client._big_stack import run_sync_on_stack
 from trillm.engine.client._depth import gbnf_depth, lark_depth, schema_depth
 from trillm.engine.client._grammar_budget import GrammarBudget, GrammarBudgetError
+from trillm.engine.client._regex_size import (
+    lark_regex_optionals,
+    regex_optionals,
+    schema_regex_optionals,
+)
 from trillm.engine.client._structured import (
     GrammarChecker,
     StructuredOutputError,
@@ -67,7 +77,10 @@ def test_the_flags_default_to_the_budgets_defaults() -> None:
     args = build_parser().parse_args(["serve"])
     assert args.structured_outputs_max_depth == MAX_STRUCTURED_DEPTH == 512
     assert args.structured_outputs_max_bytes == MAX_GRAMMAR_BYTES == 256 * 1024
-    assert GrammarBudget() == GrammarBudget(max_depth=512, max_bytes=262144)
+    assert args.structured_outputs_max_regex_optionals == MAX_REGEX_OPTIONALS == 1000
+    assert GrammarBudget() == GrammarBudget(
+        max_depth=512, max_bytes=262144, max_regex_optionals=1000
+    )
     assert GrammarBudget().stack_bytes == 256 << 20
 
 
@@ -470,6 +483,98 @@ async def test_the_repositorys_corpus_also_passes_llguidances_check(
     for name, constraint in CORPUS.items():
         if not name.startswith("public: draft-07"):  # llguidance lacks some of its keywords
             await checker.check(constraint)
+
+
+# -- optional items per regex: llguidance's lexer build is quadratic in them ------------------
+
+OPTIONALS_LIMIT = (
+    "has more than 1000 optional items (? or *) in one {what}, the limit "
+    "(--structured-outputs-max-regex-optionals); use a counted repeat such as a{{0,N}} instead"
+)
+
+
+@pytest.mark.parametrize(
+    ("regex", "count"),
+    [
+        ("a?", 1),
+        ("a??", 1),  # lazy: one optional item
+        ("a*?b*", 2),
+        ("a+?", 0),
+        ("a{2,3}?", 0),
+        ("(?:ab)?", 1),  # the group flag is not a quantifier
+        ("(?i)x", 0),
+        (r"\?\*", 0),
+        ("[?*]", 0),
+        ("[]?*]", 0),
+        ("[^]?]*", 1),
+        (r"[\]?]x?", 1),
+        ("(a|b)?" * 3, 3),
+    ],
+)
+def test_regex_optionals_counts_quantifiers_not_literals(regex: str, count: int) -> None:
+    assert regex_optionals(regex) == count
+
+
+def test_16000_optional_items_are_refused_at_once_naming_the_limit() -> None:
+    """The red team's regex: 32 KB, it passes every other budget, and llguidance's lexer takes
+    5-7 s to give up on it (quadratic: 1,000 take 19 ms)."""
+    started = time.monotonic()
+    with pytest.raises(StructuredOutputError) as refused:
+        StructuredOutputs(regex="a?" * 16_000).to_grammar()
+    assert time.monotonic() - started < 1  # counted, not compiled: milliseconds
+    assert str(refused.value) == "the structured_outputs.regex " + OPTIONALS_LIMIT.format(
+        what="regex"
+    )
+    assert refused.value.field == "structured_outputs.regex"
+    StructuredOutputs(regex="a?" * 1000).to_grammar()  # the limit itself passes
+    StructuredOutputs(regex="a{0,16000}").to_grammar()  # the counted repeat: cheap, passes
+
+
+def test_terminals_are_counted_inlined_as_often_as_they_are_named() -> None:
+    nested = 'start: D\nB: "a"?\nC: ' + " ".join(["B"] * 100) + "\nD: " + " ".join(["C"] * 80)
+    assert lark_regex_optionals(nested, limit=100_000) == 8000
+    assert lark_regex_optionals(nested, limit=1000) == 1001  # stops counting past the limit
+    # 2**40 once inlined: the count saturates instead of growing
+    doubling = "start: T40\nT0: /a?/\n" + "".join(f"T{i + 1}: T{i} T{i}\n" for i in range(40))
+    assert lark_regex_optionals(doubling, limit=1000) == 1001
+    # separate lexemes are built apart: their counts do not add up
+    apart = "start: " + " ".join(f"A{i}" for i in range(8)) + "\n"
+    apart += "".join(f"A{i}: /" + "a?" * 900 + "/\n" for i in range(8))
+    assert lark_regex_optionals(apart, limit=1000) == 900
+    assert lark_regex_optionals("start: x /" + "b*" * 5 + "/ x?\nx: /c?/", limit=1000) == 5
+    with pytest.raises(StructuredOutputError) as refused:
+        StructuredOutputs(grammar=nested).to_grammar()
+    assert str(refused.value) == "the structured_outputs.grammar " + OPTIONALS_LIMIT.format(
+        what="regex or terminal"
+    )
+    gbnf = "root ::= " + " ".join(['"a"?'] * 3000)  # GBNF rules are Earley rules: cheap
+    StructuredOutputs(grammar=gbnf).to_grammar()
+
+
+def test_a_schemas_patterns_are_counted() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": "^" + "[0-9]?" * 1001 + "$"}},
+    }
+    assert schema_regex_optionals(schema) == 1001
+    assert schema_regex_optionals({"patternProperties": {"x?y*": {"pattern": "z?"}}}) == 2
+    with pytest.raises(StructuredOutputError) as refused:
+        StructuredOutputs(json=schema).to_grammar()
+    assert str(refused.value) == "the structured_outputs.json " + OPTIONALS_LIMIT.format(
+        what="pattern"
+    )
+
+
+async def test_what_llguidances_lexer_refuses_is_a_400_in_the_frontend(
+    ll_tokenizer: llguidance.LLTokenizer,
+) -> None:
+    """900 `a?` pass the budget, but llguidance's lexer refuses them when it builds the
+    matcher, which validation alone does not: the frontend builds it too, so that is a 400
+    here, not a stream the engine ends in an error."""
+    checker = GrammarChecker(ll_tokenizer, timeout=30)
+    with pytest.raises(StructuredOutputError, match="lexer precomputation failed"):
+        await checker.check(StructuredOutputs(regex="a?" * 900))
+    assert await checker.check(StructuredOutputs(regex="a?" * 50))
 
 
 # -- a raised budget: the check's own stack holds ----------------------------------------------

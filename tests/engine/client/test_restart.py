@@ -155,6 +155,7 @@ async def test_past_the_bound_the_death_is_final(tiny_dir: Path) -> None:
 POISON = 49000  # the hook raises in every step whose input holds this token
 
 
+@pytest.mark.slow
 async def test_a_poison_request_fails_alone_and_its_batch_mates_complete(tiny_dir: Path) -> None:
     """A request whose token crashes the forward (the `token:` fault hook) is in the batch at
     every death, and so are its batch-mates: they are quarantined, resumed alone (the newest

@@ -1,6 +1,13 @@
 """Issue 25's red-team findings against a real `trillm serve` (null executor, API key set):
 the HTTP edge never blocks, never answers bad input with a 500, and admits by work.
 
+The cases that need a server of their own each are beside this file: crashes and the
+supervisor (item 1, `test_redteam_crash.py`), the multi-node link (2,
+`test_redteam_multinode.py`), the prefix cache's hashing and reporting (5,
+`test_redteam_cache.py`); detokenising (6) and the sweep (7) are unit tests
+(`tests/engine/client/test_detokenizer_bounded.py`,
+`tests/transport_shm/test_sweep_safety.py`).
+
 - 3: a 4 MiB prompt (to /tokenize, to /v1/completions) or a 120,000-message chat never
   delays another stream's tokens by more than 100 ms over that stream's worst gap before it.
 - 4: prompts x n count against `--max-queued-requests`, /tokenize and /detokenize 1 each;
