@@ -176,9 +176,7 @@ def lark_depth(grammar: str) -> int:
     """The deepest chain of references in a Lark grammar (llguidance's dialect): its rules
     and terminals, each inline ``%json`` schema a node as deep as the schema."""
     tokens, schemas = _lark_tokens(grammar)
-    close = [len(tokens)] * (len(tokens) + 1)  # close[i]: the first "]" at or after i
-    for i in range(len(tokens) - 1, -1, -1):
-        close[i] = i if tokens[i] == ("other", "]") else close[i + 1]
+    close = closing_brackets(tokens)
     weights: list[int] = []
     uses: list[list[str]] = []
     edges: list[list[int]] = []
@@ -210,6 +208,15 @@ def lark_depth(grammar: str) -> int:
     for node, names in enumerate(uses):
         edges[node] += [defined[name] for name in names if name in defined]
     return heaviest_path(weights, edges)
+
+
+def closing_brackets(tokens: list[tuple[str, str]]) -> list[int]:
+    """close[i]: the index of the first "]" at or after token i (len(tokens) if none), so
+    `_defines` skips a definition's `[attributes]` in one step."""
+    close = [len(tokens)] * (len(tokens) + 1)
+    for i in range(len(tokens) - 1, -1, -1):
+        close[i] = i if tokens[i] == ("other", "]") else close[i + 1]
+    return close
 
 
 def _defines(tokens: list[tuple[str, str]], close: list[int], i: int) -> bool:

@@ -13,7 +13,7 @@ time it spends finding that out.
 
 from __future__ import annotations
 
-from ._depth import _defines, _lark_tokens
+from ._depth import _defines, _lark_tokens, closing_brackets
 
 MAX_REGEX_OPTIONALS = 1000  # the default limit per regex
 
@@ -58,9 +58,7 @@ def lark_regex_optionals(grammar: str, limit: int) -> int:
     terminal with every terminal it names inlined (counted as often as it is named, so a
     terminal of 100 terminals of 100 `"a"?` counts 10,000). Stops counting past `limit`."""
     tokens, _ = _lark_tokens(grammar)
-    close = [len(tokens)] * (len(tokens) + 1)
-    for i in range(len(tokens) - 1, -1, -1):
-        close[i] = i if tokens[i] == ("other", "]") else close[i + 1]
+    close = closing_brackets(tokens)
     own: dict[str, int] = {}  # terminal -> its optionals, not counting those it names
     names: dict[str, list[str]] = {}  # terminal -> the terminals it names
     most, current = 0, ""
