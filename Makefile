@@ -58,7 +58,7 @@ gpu-wheels: venv
 		--implementation cp $(GPU_PLATFORMS) -d .whl $$($(PY) -c 'import sys; \
 		from importlib.metadata import version; \
 		print(*(f"{n}=={version(n)}" for n in sys.argv[1:]))' $(GPU_WHEELS))
-	$(PY) -c 'import shutil; from trillm.gpu._default_model import default_model_dir; \
+	$(PY) -c 'import shutil; from trillm.default_model import default_model_dir; \
 		d = default_model_dir(progress=False); \
 		[shutil.copy(d / n, ".whl/smollm2-tokenizer") for n in ("tokenizer.json", "tokenizer_config.json")]'
 	@ls -1 .whl/*.whl | sed 's|^.whl/||'

@@ -26,8 +26,8 @@ _LAZY = {
     "EngineConfig": "trillm.engine.protocol._config",
     "EngineDeadError": "trillm.engine.client._errors",
     "EngineStartError": "trillm.engine.client._launch",
-    "WorkerConfig": "trillm.gpu._config",
-    "default_model_dir": "trillm.gpu._default_model",
+    "WorkerConfig": "trillm.config",
+    "default_model_dir": "trillm.default_model",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from . import __version__
 
 if TYPE_CHECKING:
-    from .http._server import ServerConfig
+    from .http import ServerConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -354,14 +354,15 @@ def raise_open_files_limit() -> None:
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    from .gpu import WorkerConfig
-    from .gpu._default_model import DEFAULT_MODEL_NAME, default_model_dir, find_default_gguf
-    from .http._api_key import read_api_key
-    from .http._server import build_config
+    from .config import WorkerConfig
+    from .default_model import DEFAULT_MODEL_NAME, default_model_dir, find_default_gguf
+    from .http import build_config, read_api_key
 
     model = args.model
     if model is None:  # the built-in model: its GGUF file kept quantized, else the converted dir
-        model = str(find_default_gguf() if args.quantization == "gguf" else default_model_dir())
+        model = str(
+            find_default_gguf() if args.quantization == "gguf" else default_model_dir(in_child=True)
+        )
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else args.model)
     worker = WorkerConfig(
         model,
@@ -423,7 +424,7 @@ def serve_main(args: argparse.Namespace) -> int:
         profiler_dir=args.profiler_dir,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
-    from .engine.core import NODE_TOKEN_ENV, link_key, read_node_token
+    from .engine.protocol import NODE_TOKEN_ENV, link_key, read_node_token
 
     token = None
     if args.nnodes > 1:  # the node link's secret: refused here, before anything starts
@@ -436,16 +437,20 @@ def serve_main(args: argparse.Namespace) -> int:
 
         engine = msgspec.structs.replace(config.llm.engine, insecure_node_link=True)
         config = dataclasses.replace(config, llm=dataclasses.replace(config.llm, engine=engine))
-    if args.headless:
-        from .engine.core import run_node_agent
+    if args.headless:  # a node agent runs ranks: it loads the engine's code, the API never does
+        from .engine.core import NodeAgentError, run_node_agent
 
-        return run_node_agent(config.llm.engine, node_token=token)
+        try:
+            return run_node_agent(config.llm.engine, node_token=token)
+        except NodeAgentError as exc:
+            print(f"trillm serve: {exc}", file=sys.stderr)
+            return 1
     if token is not None:  # the engine process inherits it (not on its command line)
         os.environ[NODE_TOKEN_ENV] = token.decode()
     raise_open_files_limit()
     if args.max_api_restarts == 0:  # unsupervised: the API server runs in this process
         return run_api_server(config)
-    from .http._supervisor import supervise
+    from .http import supervise
 
     return supervise(
         config, run_api_server, max_restarts=args.max_api_restarts, window=args.api_restart_window
@@ -457,7 +462,7 @@ def run_api_server(config: ServerConfig) -> int:
     did not start, or died past its restarts). Anything else is raised: a crash."""
     import trio
 
-    from .http._server import run_server
+    from .http import run_server
 
     try:
         trio.run(run_server, config)
@@ -472,9 +477,8 @@ def run_api_server(config: ServerConfig) -> int:
 def reported_errors() -> tuple[type[Exception], ...]:
     """The failures `trillm serve` reports in one line and exits 1 for (no traceback)."""
     from .engine.client import EngineDeadError, EngineStartError
-    from .engine.core import NodeAgentError
 
-    return (EngineStartError, EngineDeadError, NodeAgentError, ValueError)
+    return (EngineStartError, EngineDeadError, ValueError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,6 +62,6 @@ def find_tokenizer(model: str, base_url: str, api_key: str | None) -> str | None
     if not any(c.get("id") == model and c.get("owned_by") == "trillm" for c in cards):
         return None
     # Imported only for a trillm server: it imports torch, which other servers' users may lack.
-    from trillm.gpu._default_model import DEFAULT_MODEL_NAME, default_model_dir
+    from trillm.default_model import DEFAULT_MODEL_NAME, default_model_dir
 
     return str(default_model_dir()) if model == DEFAULT_MODEL_NAME else None

@@ -105,7 +105,7 @@ def find_tokenizer_dir(explicit: Path | None) -> Path:
         return explicit
     if (CARRIED_TOKENIZER / "tokenizer.json").is_file():
         return CARRIED_TOKENIZER
-    from trillm.gpu._default_model import default_model_dir
+    from trillm.default_model import default_model_dir
 
     return default_model_dir(progress=False)
 

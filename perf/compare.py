@@ -314,7 +314,7 @@ def main() -> None:
 
         args.model = default_model_dir()
     if args.gguf is None:
-        from trillm.gpu._default_model import find_default_gguf
+        from trillm.default_model import find_default_gguf
 
         args.gguf = find_default_gguf()
     config = json.loads((args.model / "config.json").read_text())

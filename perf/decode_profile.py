@@ -28,8 +28,8 @@ import torch
 from model_bench import prompts, read_bandwidth, trillm_run
 from torch.profiler import profile
 
+from trillm.default_model import default_model_dir
 from trillm.gpu import Worker, WorkerConfig
-from trillm.gpu._default_model import default_model_dir
 
 LINEAR = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear")
 

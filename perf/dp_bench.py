@@ -454,7 +454,7 @@ def main() -> None:
     p.add_argument("--txt", type=Path, help="write the report as text")
     args = p.parse_args()
 
-    from trillm.gpu._default_model import default_model_dir
+    from trillm.default_model import default_model_dir
 
     model_dir = default_model_dir()
     tokenizer = load_tokenizer(str(model_dir))

@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     if args.model is None:
-        from trillm.gpu._default_model import default_model_dir
+        from trillm.default_model import default_model_dir
 
         args.model = str(default_model_dir(progress=False))
     rows = []

@@ -130,7 +130,7 @@ def main() -> None:
         return
     from tokenizers import Tokenizer
 
-    from trillm.gpu._default_model import default_model_dir
+    from trillm.default_model import default_model_dir
 
     model = default_model_dir(progress=False)
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))

@@ -185,7 +185,7 @@ def kernels_main(args: argparse.Namespace) -> None:
 def quantization_main(args: argparse.Namespace) -> None:
     """Each `--quantization` setting on the same GGUF file, interleaved, against the first."""
     if args.model is None:
-        from trillm.gpu._default_model import find_default_gguf
+        from trillm.default_model import find_default_gguf
 
         args.model = str(find_default_gguf())
     settings = args.quantization.split(",")
@@ -278,7 +278,7 @@ def main() -> None:
         quantization_main(args)
         return
     if args.model is None:
-        from trillm.gpu._default_model import default_model_dir
+        from trillm.default_model import default_model_dir
 
         args.model = str(default_model_dir())
     rows = []

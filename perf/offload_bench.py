@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import trio
 
-from trillm.engine.client._streams import load_tokenizer
-from trillm.gpu._default_model import default_model_dir
+from trillm.default_model import default_model_dir
+from trillm.engine.client._tokenizer import load_tokenizer
 from trillm.http._offload import INLINE_BELOW, Offload
 
 ROUNDS = 300

@@ -27,8 +27,8 @@ from compare import matmul_rates, prompt_gflops
 from model_bench import prompts, trillm_run
 from torch.profiler import profile
 
+from trillm.default_model import default_model_dir
 from trillm.gpu import Worker, WorkerConfig
-from trillm.gpu._default_model import default_model_dir
 
 LINEAR = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm")
 ATTENTION = ("attention", "sdpa")

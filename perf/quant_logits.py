@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.gpu.conftest import make_runner
 from tests.gpu.test_quantized import chat_prompts, greedy_and_logits
-from trillm.gpu._default_model import find_default_gguf
+from trillm.default_model import find_default_gguf
 
 
 def main() -> None:

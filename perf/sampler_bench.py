@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.gpu.test_sampler import sorted_top_k_top_p as sort_top_k_top_p
 from trillm.gpu._sampler import _apply_top_k_top_p
 from trillm.gpu._sampling_batch import RequestSamplingState, SamplingBatch
-from trillm.gpu._sampling_options import SamplingOptions
+from trillm.wire import SamplingOptions
 
 
 def median_ms(

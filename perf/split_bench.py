@@ -27,9 +27,9 @@ from typing import Any
 import trio
 from host_overhead import cpu_seconds  # perf/ is scripts: the one next to this
 
+from trillm.default_model import default_model_dir
 from trillm.engine import AsyncLLM, EngineConfig, LLMConfig, SamplingParams, open_llm
 from trillm.gpu import WorkerConfig
-from trillm.gpu._default_model import default_model_dir
 
 
 def config(model: str, step_time: float, in_process: bool) -> LLMConfig:

@@ -35,6 +35,7 @@ import trio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from trillm.default_model import default_model_dir  # noqa: E402
 from trillm.engine import (  # noqa: E402
     EngineConfig,
     LLMConfig,
@@ -44,7 +45,6 @@ from trillm.engine import (  # noqa: E402
 )
 from trillm.engine.core._grammar import Grammars, load_ll_tokenizer  # noqa: E402
 from trillm.gpu import WorkerConfig  # noqa: E402
-from trillm.gpu._default_model import default_model_dir  # noqa: E402
 from trillm.gpu._grammar_mask import apply_grammar_bitmask  # noqa: E402
 from trillm.http._tools import required_grammar  # noqa: E402
 

@@ -27,8 +27,8 @@ from compare import serving  # perf/ is scripts: the ones next to this
 from host_overhead import free_port
 from model_bench import prompts, trillm_run
 
+from trillm.default_model import default_model_dir
 from trillm.gpu import Worker, WorkerConfig
-from trillm.gpu._default_model import default_model_dir
 
 
 def first_token_s(client: httpx.Client, base: str, ids: list[int]) -> float:

@@ -7,8 +7,8 @@ from typing import Any
 
 import llguidance
 
+from trillm.default_model import default_model_dir
 from trillm.engine.core._grammar import load_ll_tokenizer
-from trillm.gpu._default_model import default_model_dir
 
 VOCAB = 49152  # SmolLM2's
 EOS = 2

@@ -1,28 +1,40 @@
 """The package layering of DESIGN.md §1, enforced: who may import whom inside trillm.
 
-Two kinds of rule. Between packages: `transport_shm` <- `gpu` <- `engine` <- `http`. Inside
-`engine`, by process: `core` (the engine process) and `client` (the frontend process) never
-import each other and meet only in `protocol`, the wire they share; the frontend starts the
-engine by its entry point's name, never by importing it; `http` sees only the client's
-public names.
+Three kinds of rule. Between packages: `transport_shm` <- `gpu` <- `engine` <- `http`, and
+no package imports another's private modules. Inside `engine`, by process: `core` (the engine
+process) and `client` (the frontend process) never import each other and meet only in
+`protocol`, the wire they share; the frontend starts the engine by its entry point's name,
+never by importing it; `http` sees only the client's public names. And by what an import
+loads: the API process's packages, imported in a fresh interpreter, load no torch, triton,
+`trillm.gpu` or engine-process code (statements alone cannot show it: a package's
+`__init__` imports its siblings).
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 LIB = Path(__file__).resolve().parent.parent / "lib"
 
-# package -> the trillm packages it must never import
+# package -> the trillm packages it must never import (`config`, `wire` and `process` are
+# single modules every package may import: they import nothing of trillm)
 FORBIDDEN = {
     "transport_shm": {"engine", "gpu", "http"},
     "gpu": {"engine", "http"},
     "engine": {"http"},
+    "config.py": {"engine", "gpu", "http", "transport_shm", "wire", "process", "cli"},
+    "wire.py": {"engine", "gpu", "http", "transport_shm", "config", "process", "cli"},
+    "process.py": {"engine", "gpu", "http", "transport_shm", "config", "wire", "cli"},
 }
+
+# What the API process must never load: the device side and the engine process's code.
+NOT_IN_THE_API_PROCESS = ("torch", "triton", "trillm.gpu", "trillm.engine.core")
 
 # engine sub-package -> the engine sub-packages it must never import
 FORBIDDEN_IN_ENGINE = {
@@ -78,7 +90,38 @@ def is_public_client_name(target: str) -> bool:
 
 
 def modules(package: str) -> list[Path]:
+    if package.endswith(".py"):
+        return [LIB / package]
     return sorted((LIB / package).rglob("*.py"))
+
+
+def private_reach(path: Path, lib: Path = LIB) -> set[str]:
+    """The private modules of other top-level packages that the module at `path` imports:
+    `from ..gpu._worker_process import X` in lib/engine/core/x.py gives
+    "trillm.gpu._worker_process"; a package's own private modules are its business."""
+    rel = path.relative_to(lib)
+    own = rel.parts[0] if len(rel.parts) > 1 else None
+    found = set()
+    for target in import_targets(path, lib):
+        parts = target.split(".")
+        for i, part in enumerate(parts[1:], start=1):
+            if part.startswith("_") and not part.startswith("__"):
+                if parts[1] != own:
+                    found.add(".".join(parts[: i + 1]))
+                break
+    return found
+
+
+def loaded_by(statement: str) -> list[str]:
+    """Which of `NOT_IN_THE_API_PROCESS` a fresh interpreter holds after `statement`."""
+    probe = (
+        f"{statement}\nimport sys\n"
+        f"print(' '.join(m for m in {NOT_IN_THE_API_PROCESS!r} if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    return done.stdout.split()
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
@@ -163,3 +206,51 @@ def test_no_top_level_http_package_shadows_the_stdlib() -> None:
 
     assert "site-packages" not in (http.client.__file__ or "")
     assert not (LIB.parent / "http").exists()
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "import trillm.http",
+        "import trillm.engine.client",
+        "import trillm.cli",
+        "from trillm import AsyncLLM, SamplingParams, LLMConfig, EngineConfig, WorkerConfig",
+    ],
+)
+def test_the_api_process_loads_no_torch_nor_engine_code(statement: str) -> None:
+    assert loaded_by(statement) == [], (
+        f"`{statement}` loads the engine stack into the API process (DESIGN.md §8): find "
+        "the import with `python -X importtime -c '...'`"
+    )
+
+
+def test_the_default_models_tokenizer_loads_without_torch() -> None:
+    from trillm.default_model import default_model_dir
+
+    model = default_model_dir(progress=False)
+    statement = (
+        "from trillm.engine.client._tokenizer import load_tokenizer\n"
+        f"assert load_tokenizer({str(model)!r}).encode('hello world')"
+    )
+    assert loaded_by(statement) == []
+
+
+def test_no_package_imports_another_packages_private_modules() -> None:
+    violations = []
+    for path in sorted(LIB.rglob("*.py")):
+        for target in sorted(private_reach(path)):
+            violations.append(f"{path.relative_to(LIB)} imports {target}")
+    assert not violations, (
+        "private modules reached across packages (import the package's public names): "
+        + "; ".join(violations)
+    )
+
+
+def test_the_private_rule_tells_own_modules_from_others(tmp_path: Path) -> None:
+    module = tmp_path / "engine" / "core" / "_probe.py"
+    module.parent.mkdir(parents=True)
+    module.write_text(
+        "from ..protocol._messages import ADD\nfrom ...gpu._worker_process import W\n"
+        "from ...gpu import worker_process\nfrom . import _request\n"
+    )
+    assert private_reach(module, tmp_path) == {"trillm.gpu._worker_process"}

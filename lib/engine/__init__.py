@@ -6,7 +6,9 @@
 - `protocol/`: the wire both speak (message kinds, STEP record, config, `RemoteError`).
 
 `core` and `client` never import each other (`tests/test_layering.py`). This package's names
-are the public ones of all three. Knows no HTTP (DESIGN.md §1, §6, §8).
+are the frontend's public ones and the protocol's; the engine process's own names are
+imported from `trillm.engine.core`, so that importing the client never loads the engine's
+code, or torch. Knows no HTTP (DESIGN.md §1, §6, §8).
 """
 
 from .client import AsyncLLM as AsyncLLM
@@ -23,14 +25,6 @@ from .client import StructuredOutputError as StructuredOutputError
 from .client import StructuredOutputs as StructuredOutputs
 from .client import TokenLogprob as TokenLogprob
 from .client import open_llm as open_llm
-from .core import Executor as Executor
-from .core import NullExecutor as NullExecutor
-from .core import Request as Request
-from .core import Scheduler as Scheduler
-from .core import SchedulerConfig as SchedulerConfig
-from .core import StepResult as StepResult
-from .core import UniprocExecutor as UniprocExecutor
-from .core import WorkerDiedError as WorkerDiedError
 from .protocol import EngineConfig as EngineConfig
 from .protocol import EngineConfigError as EngineConfigError
 from .protocol import FinishReason as FinishReason

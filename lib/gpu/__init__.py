@@ -4,20 +4,25 @@ Knows no scheduling policy and nothing of the engine or HTTP (DESIGN.md §1, §7
 `StepBatch` the scheduler decided and returns a columnar `RunnerOutput`.
 """
 
-from ._config import WorkerConfig as WorkerConfig
-from ._config import WorkerConfigError as WorkerConfigError
+from ..config import WorkerConfig as WorkerConfig
+from ..config import WorkerConfigError as WorkerConfigError
+from ..wire import KernelChoice as KernelChoice
+from ..wire import SamplingOptions as SamplingOptions
 from ._cpu_linear import CpuFeatures as CpuFeatures
 from ._cpu_linear import CpuLinearUnsupportedError as CpuLinearUnsupportedError
 from ._cpu_linear import probe_cpu_features as probe_cpu_features
+from . import _worker_process as worker_process  # the worker process's wire, for the executors
 from ._failure import InjectedFault as InjectedFault
+from ._failure import raised_in as raised_in
+from ._gguf import GGUFCheckpoint as GGUFCheckpoint
+from ._gguf import GGUFError as GGUFError
+from ._grammar_mask import step_bitmask as step_bitmask
 from ._failure import WorkerFailure as WorkerFailure
-from ._kernels import KernelChoice as KernelChoice
 from ._model_config import ModelConfig as ModelConfig
 from ._model_config import ModelConfigError as ModelConfigError
 from ._model_runner import ModelRunner as ModelRunner
 from ._parallel import TensorParallel as TensorParallel
 from ._parallel import TensorParallelError as TensorParallelError
-from ._sampling_options import SamplingOptions as SamplingOptions
 from ._step_batch import NewRequest as NewRequest
 from ._step_batch import PromptLogprobs as PromptLogprobs
 from ._step_batch import RunnerOutput as RunnerOutput

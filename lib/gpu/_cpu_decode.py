@@ -29,9 +29,9 @@ import ctypes
 import numpy as np
 import torch
 
+from ..config import WorkerConfig
 from . import _native
 from ._attention import QkvAttention
-from ._config import WorkerConfig
 from ._cpu_decode_model import CpuDecodeUnsupported as CpuDecodeUnsupported
 from ._cpu_decode_model import Layer, layer_weights, model_struct, unsupported
 from ._tiles import BF16, F32, Q4, Q8, TiledLinear, Tiles, dense_tiles

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-CPU_LINEAR = ("auto", "onednn", "aten")
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # What oneDNN needs to pack each reduced-precision dtype (torch's own check, in its words).
 _NEEDS = {

@@ -7,50 +7,11 @@ worker (rank 0 reports it) and travels to the frontend in READY.
 
 from __future__ import annotations
 
-import msgspec
 import torch
 
+from ..wire import KernelChoice
 from ._cpu_linear import CpuFeatures, choose_cpu_linear, probe_cpu_features
 from ._quantized import choose_quantization
-
-
-class KernelChoice(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """The kernels in use: device, dtype, the linear path and why. Field order is ABI.
-
-    `linear` is "onednn" (weights packed for oneDNN), "aten" (`F.linear`: MKL on CPU,
-    cuBLAS on CUDA); `isa` is what the choice depended on (`CpuFeatures.summary()` on CPU,
-    the GPU's name on CUDA); `attention` is the attention backend ("torch" or "triton");
-    `quantization` is "gguf" (GGUF blocks kept, int4 kernel) or "none", and
-    `quantization_reason` what that means; `decode` is how CPU decode steps run ("c": one C
-    call per step, `_cpu_decode`; "torch (why)"; "" on CUDA).
-    """
-
-    device: str
-    dtype: str
-    linear: str
-    isa: str = ""
-    reason: str = ""
-    attention: str = ""
-    quantization: str = ""
-    quantization_reason: str = ""
-    decode: str = ""
-
-    def describe(self) -> str:
-        """One line for a log: "kernels: bfloat16 on cpu, linears aten (isa ...; reason),
-        attention torch, quantization gguf (...)"."""
-        why = "; ".join(part for part in (self.isa, self.reason) if part)
-        line = f"kernels: {self.dtype} on {self.device}, linears {self.linear} ({why})"
-        if self.attention:
-            line += f", attention {self.attention}"
-            if self.attention == "triton" and self.device == "cpu":
-                line += " (Triton's interpreter on CPU: for correctness only, very slow)"
-        if self.quantization not in ("", "none"):  # dense weights need no word
-            line += f", quantization {self.quantization}"
-            if self.quantization_reason:
-                line += f" ({self.quantization_reason})"
-        if self.decode:
-            line += f", decode {self.decode}"
-        return line
 
 
 def choose_kernels(

@@ -18,14 +18,16 @@ import msgspec
 import numpy as np
 import torch
 
+from ..config import WorkerConfig
+from ..wire import KernelChoice
 from ._attention import AttentionBackend, QkvAttention, StepAttention, TorchAttention
-from ._config import WorkerConfig
+from ._config import quantization_for, torch_dtype
 from ._cpu_decode import CpuDecode, build_cpu_decode
 from ._cpu_linear import CpuFeatures
 from ._cuda_graphs import DecodeGraphs
 from ._grammar_mask import apply_grammar_bitmask, step_bitmask
 from ._input_batch import InputBatch, StepInputs
-from ._kernels import KernelChoice, choose_kernels
+from ._kernels import choose_kernels
 from ._model_config import ModelConfig
 from ._parallel import TensorParallel
 from ._sampler import Sampler, SamplerOutput, compute_logprobs
@@ -53,7 +55,7 @@ class ModelRunner:
         self.model_config = model_config
         self.tp = tp
         self.device = device
-        self.dtype = config.torch_dtype(device)
+        self.dtype = torch_dtype(config, device)
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.inputs = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size)
@@ -86,7 +88,7 @@ class ModelRunner:
             self.config.cpu_linear,
             self._cpu_features,
             self.config.attention_backend_for(self.device),
-            self.config.quantization_for(self.device),
+            quantization_for(self.config, self.device),
         )
         torch.manual_seed(self.config.seed)
         family = family_for(self.model_config.model_type)

@@ -45,7 +45,6 @@ import torch
 from ._gguf_blocks import BLOCK_SIZE, Q4_0, Q4_1, Q8_0, QuantizedTensor
 from ._tiles import TiledLinear, quantized_tiles, tiled_kernels
 
-QUANTIZATIONS = ("auto", "gguf", "none")
 _ROWS = 16  # the int4 packer's row granularity (`expect N to be dividable by 16`)
 
 

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ._config import WorkerConfig
-from ._kernels import KernelChoice
+from ..config import WorkerConfig
+from ..wire import KernelChoice
+from ._config import torch_device
 from ._model_runner import ModelRunner
 from ._parallel import TensorParallel
 from ._step_batch import RunnerOutput, StepBatch
@@ -61,7 +62,7 @@ class Worker:
 
     def init_device(self) -> None:
         """Pick the device, join the process group (gloo on CPU, NCCL on CUDA), snapshot memory."""
-        device = self.config.torch_device()
+        device = torch_device(self.config)
         if device.type == "cuda":
             device = torch.device("cuda", (device.index or 0) + self.local_rank)
             torch.cuda.set_device(device)

@@ -42,10 +42,11 @@ import setproctitle
 import torch
 import trio
 
+from ..config import WorkerConfig
+from ..process import ParentDiedError, die_with_parent
 from ..transport_shm import Heartbeat, RingAddress, RingReader, RingWriter
-from ._config import WorkerConfig
+from ._config import torch_device
 from ._failure import WorkerFailure
-from ._process import ParentDiedError, die_with_parent
 from ._step_batch import RunnerOutputCodec, StepBatchCodec
 from ._worker import Worker
 
@@ -168,7 +169,7 @@ def run(args: WorkerProcessArgs) -> int:
     setproctitle.setproctitle(f"trillm::worker_{args.rank}")  # `ps` and py-spy show the rank
     # Ctrl-C in a terminal reaches the whole process group; the executor decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if args.config.torch_device().type == "cpu":  # ranks share the cores, not each take all
+    if torch_device(args.config).type == "cpu":  # ranks share the cores, not each take all
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // args.world_size))
     with RingWriter.attach(args.results) as results:
         try:

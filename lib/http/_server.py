@@ -29,6 +29,7 @@ import setproctitle
 import trio
 from hypercorn.config import Config as HypercornConfig
 
+from ..config import WorkerConfig
 from ..engine.client import (
     MAX_GRAMMAR_BYTES,
     MAX_REGEX_OPTIONALS,
@@ -39,7 +40,6 @@ from ..engine.client import (
     LLMConfig,
     open_llm,
 )
-from ..gpu import WorkerConfig
 from ._app import MAX_HEADER_BYTES, App, ServeConfig
 from ._connections import Connections
 from ._generate import DRAINING_LAST_WRITE_S

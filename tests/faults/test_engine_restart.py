@@ -15,7 +15,7 @@ import httpx
 import pytest
 import trio
 
-from trillm.gpu._default_model import default_model_dir
+from trillm.default_model import default_model_dir
 
 from ..procs import children
 from .figures import record

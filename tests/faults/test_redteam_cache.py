@@ -28,7 +28,7 @@ import torch
 import transformers
 import trio
 
-from trillm.gpu._default_model import default_model_dir
+from trillm.default_model import default_model_dir
 
 from ..gpu.conftest import TINY
 from ..http.conftest import Server

@@ -7,8 +7,8 @@ import pytest
 import torch
 import transformers
 
+from trillm.default_model import default_model_dir
 from trillm.gpu import CpuFeatures, ModelRunner, TensorParallel, WorkerConfig, open_model
-from trillm.gpu._default_model import default_model_dir
 
 TINY = dict(
     vocab_size=49152,  # SmolLM2's tokenizer

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import transformers
 
-from trillm.gpu._default_model import default_model_dir
+from trillm.default_model import default_model_dir
 
 BASE: dict[str, Any] = dict(
     vocab_size=49152,  # SmolLM2's tokenizer

@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from trillm.default_model import default_model_dir
 from trillm.gpu import SamplingOptions, _cpu_decode, _native
-from trillm.gpu._default_model import default_model_dir
 from trillm.gpu._gguf_blocks import Q4_0, Q4_1, Q8_0
 from trillm.gpu._tiles import quantized_tiles, tile, tiled_kernels
 

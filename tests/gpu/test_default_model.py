@@ -11,8 +11,8 @@ import pytest
 import torch
 import transformers
 
-from trillm.gpu import _default_model
-from trillm.gpu._default_model import (
+from trillm import default_model as _default_model
+from trillm.default_model import (
     DEFAULT_MODEL_NAME,
     MANIFEST_NAME,
     DefaultModelMissingError,

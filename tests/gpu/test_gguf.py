@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from trillm.gpu._default_model import DefaultModelMissingError, find_default_gguf
+from trillm.default_model import DefaultModelMissingError, find_default_gguf
 from trillm.gpu._gguf import GGUFCheckpoint, GGUFError, dequantize
 
 Q = gguf.GGMLQuantizationType

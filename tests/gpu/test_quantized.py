@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from trillm.config import WorkerConfigError
+from trillm.default_model import DefaultModelMissingError, default_model_dir, find_default_gguf
 from trillm.gpu import (
     ModelRunner,
     SamplingOptions,
@@ -30,11 +32,10 @@ from trillm.gpu import (
     WorkerConfig,
     _quantized,
 )
-from trillm.gpu._config import WorkerConfigError
-from trillm.gpu._default_model import DefaultModelMissingError, default_model_dir, find_default_gguf
+from trillm.gpu._config import quantization_for
 from trillm.gpu._gguf import GGUFCheckpoint
 from trillm.gpu._gguf_blocks import BLOCK_BYTES, QuantizedTensor
-from trillm.gpu._kernels import KernelChoice, choose_kernels
+from trillm.gpu._kernels import choose_kernels
 from trillm.gpu._layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from trillm.gpu._quantized import (
     Float16Weight,
@@ -44,6 +45,7 @@ from trillm.gpu._quantized import (
     quantized_kernels_run,
 )
 from trillm.gpu._tiles import F32, TiledLinear, tiled_kernels
+from trillm.wire import KernelChoice
 
 from .conftest import make_runner
 from .driver import Driver, DriverRequest
@@ -332,10 +334,10 @@ def test_quantization_is_validated_and_resolved(tiny_gguf: Path, tmp_path: Path)
     ):
         WorkerConfig(str(tmp_path), quantization="gguf")
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert WorkerConfig(str(tiny_gguf)).quantization_for(cpu) == "gguf"
-    assert WorkerConfig(str(tiny_gguf)).quantization_for(cuda) == "none"
-    assert WorkerConfig(str(tiny_gguf), load_format="dummy").quantization_for(cpu) == "none"
-    assert WorkerConfig(str(tmp_path)).quantization_for(cpu) == "none"
+    assert quantization_for(WorkerConfig(str(tiny_gguf)), cpu) == "gguf"
+    assert quantization_for(WorkerConfig(str(tiny_gguf)), cuda) == "none"
+    assert quantization_for(WorkerConfig(str(tiny_gguf), load_format="dummy"), cpu) == "none"
+    assert quantization_for(WorkerConfig(str(tmp_path)), cpu) == "none"
     with pytest.raises(
         QuantizationUnsupportedError,
         match=r"quantization='gguf' cannot run: its kernels are torch's CPU ones, and the "
@@ -349,7 +351,7 @@ def test_a_torch_without_the_kernels_dequantizes_for_auto_and_refuses_gguf(
 ) -> None:
     monkeypatch.setattr("trillm.gpu._config.quantized_kernels_run", lambda: False)
     monkeypatch.setattr("trillm.gpu._quantized.quantized_kernels_run", lambda: False)
-    assert WorkerConfig(str(tiny_gguf)).quantization_for(torch.device("cpu")) == "none"
+    assert quantization_for(WorkerConfig(str(tiny_gguf)), torch.device("cpu")) == "none"
     with pytest.raises(
         QuantizationUnsupportedError,
         match="this torch build's int4 or fbgemm float16 kernel did not run a test weight",

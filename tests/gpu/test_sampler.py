@@ -22,7 +22,7 @@ from trillm.gpu._sampler import (
     compute_logprobs,
 )
 from trillm.gpu._sampling_batch import RequestSamplingState, SamplingBatch, TokenIdOutOfVocabError
-from trillm.gpu._sampling_options import SamplingOptions
+from trillm.wire import SamplingOptions
 
 CPU = torch.device("cpu")
 sampler = Sampler()

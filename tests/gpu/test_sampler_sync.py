@@ -26,7 +26,7 @@ from trillm.gpu import _sampler
 from trillm.gpu._pinned import HostStaging
 from trillm.gpu._sampler import Sampler, SamplerOutput
 from trillm.gpu._sampling_batch import RequestSamplingState, SamplingBatch
-from trillm.gpu._sampling_options import SamplingOptions
+from trillm.wire import SamplingOptions
 
 CPU = torch.device("cpu")
 VOCAB = 1000

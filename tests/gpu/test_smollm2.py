@@ -8,8 +8,8 @@ import pytest
 import torch
 import transformers
 
+from trillm.default_model import default_model_dir, find_default_gguf
 from trillm.gpu import SamplingOptions
-from trillm.gpu._default_model import default_model_dir, find_default_gguf
 
 from .conftest import make_runner
 from .driver import Driver, DriverRequest

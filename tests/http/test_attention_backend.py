@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from trillm.gpu._default_model import default_model_dir
+from trillm.default_model import default_model_dir
 
 from .conftest import start_server
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from trillm.gpu._default_model import DEFAULT_MODEL_NAME, default_model_dir, find_default_gguf
+from trillm.default_model import DEFAULT_MODEL_NAME, default_model_dir, find_default_gguf
 from trillm.http._responses import models_response
 
 from ..gpu.conftest import save_tiny

@@ -38,8 +38,9 @@ from ._restarts import RestartPolicy
 from ._resume import judge, poison_error, release_quarantined, resend
 from ._router import EngineRouter
 from ._sampling_params import SamplingParams
-from ._streams import RequestStream, load_tokenizer
+from ._streams import RequestStream
 from ._structured import GrammarChecker, after_reasoning, build_ll_tokenizer
+from ._tokenizer import load_tokenizer
 
 
 class AsyncLLM:

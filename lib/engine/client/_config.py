@@ -81,12 +81,12 @@ class LLMConfig:
         size = self.data_parallel_size
         if size == 1:
             return [engine]
-        device = worker.torch_device()  # "auto" resolved: CUDA when there is one
-        if device.type != "cuda":
+        kind, _, index = worker.device_name().partition(":")  # "auto" resolved
+        if kind != "cuda":
             cores = len(os.sched_getaffinity(0))
             threads = max(1, cores // (size * engine.tensor_parallel_size))
             return [msgspec.structs.replace(engine, cpu_threads=threads)] * size
-        base = device.index or 0
+        base = int(index or 0)
         step = engine.tensor_parallel_size
         return [
             msgspec.structs.replace(

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import msgspec
 
-from ...gpu import WorkerConfig
+from ...config import WorkerConfig
 from ..protocol._config import EngineConfig
 from ._config import LLMConfig
 
@@ -50,7 +50,7 @@ def offline_config(model: str | None, engine_args: Mapping[str, object]) -> LLMC
         )
     args = {_ALIASES.get(name, name): value for name, value in engine_args.items()}
     if model is None:
-        from ...gpu._default_model import default_model_dir
+        from ...default_model import default_model_dir
 
         model = str(default_model_dir())
     worker = WorkerConfig(model, **{k: v for k, v in args.items() if k in _WORKER})  # type: ignore[arg-type]

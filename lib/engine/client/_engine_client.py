@@ -21,7 +21,7 @@ import msgspec
 import numpy as np
 import trio
 
-from ...gpu._process import process_state
+from ...process import process_state
 from ..protocol import _messages as P
 from ..protocol._config import EngineConfig
 from ..protocol._errors import RemoteError

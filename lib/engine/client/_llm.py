@@ -31,8 +31,8 @@ from ._output_processor import OutputProcessor, RequestState
 from ._outputs import Mailbox
 from ._request_output import RequestOutput, completion_output, prompt_logprobs
 from ._sampling_params import SamplingParams
-from ._streams import load_tokenizer
 from ._sync_client import SyncEngineClient
+from ._tokenizer import load_tokenizer
 
 # A prompt: text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}.
 Prompt = str | Sequence[int] | Mapping[str, Any]

@@ -22,7 +22,7 @@ import math
 import msgspec
 import msgspec.structs
 
-from ...gpu import SamplingOptions
+from ...wire import SamplingOptions
 from ._structured import StructuredOutputs
 
 MAX_N = 128  # OpenAI's limit on choices per request

@@ -1,10 +1,7 @@
-"""What `AsyncLLM` hands out and reads in: request streams, tokenizers (`prompt_logprobs_output`
-lives in `_output_processor` now, with the rest of the per-record work; re-exported here)."""
+"""What `AsyncLLM` hands out: request streams (`prompt_logprobs_output` lives in
+`_output_processor`, with the rest of the per-record work; re-exported here)."""
 
 from __future__ import annotations
-
-import os
-from typing import Any
 
 from ._output_processor import prompt_logprobs_output as prompt_logprobs_output
 from ._outputs import Mailbox, Output
@@ -34,13 +31,3 @@ class RequestStream:
         if output.finished:
             self._unfinished -= 1
         return output
-
-
-def load_tokenizer(path: str) -> Any:
-    """The Hugging Face fast tokenizer of a model directory or GGUF file."""
-    from transformers import AutoTokenizer
-
-    if path.endswith(".gguf"):
-        directory, name = os.path.split(os.path.abspath(path))
-        return AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    return AutoTokenizer.from_pretrained(path)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import trio
 
-from ...gpu._process import process_state
+from ...process import process_state
 from ...transport_shm import RingReader
 from ..protocol._errors import RemoteError
 

@@ -27,7 +27,7 @@ from ...gpu import (
     WorkerConfig,
     WorkerFailure,
 )
-from ...gpu._grammar_mask import step_bitmask
+from ...gpu import step_bitmask
 from ..protocol._errors import RemoteError
 from ._errors import WorkerDiedError
 

@@ -40,7 +40,7 @@ from ...gpu import (
     WorkerConfig,
     open_model,
 )
-from ...gpu import _worker_process as W
+from ...gpu import worker_process as W
 from ...transport_shm import BusyError, Record, RingReader, RingWriter
 from ..protocol._config import EngineConfig
 from ..protocol._errors import RemoteError

@@ -24,8 +24,8 @@ from typing import Final
 
 import trio
 
-from ...gpu import _worker_process as W
-from ...gpu._process import is_exiting
+from ...gpu import worker_process as W
+from ...process import is_exiting
 from ...transport_shm import BusyError, RingReader, RingWriter
 from ..protocol._config import EngineConfig
 from ._node_link import (

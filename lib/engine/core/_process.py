@@ -19,8 +19,8 @@ import msgspec
 import setproctitle
 
 from ...gpu import open_model
-from ...gpu._failure import raised_in
-from ...gpu._process import die_with_parent
+from ...gpu import raised_in
+from ...process import die_with_parent
 from ...transport_shm import RingReader, RingWriter
 from ..protocol import _messages as P
 from ..protocol._config import EngineArgs, EngineConfig

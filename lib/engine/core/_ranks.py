@@ -22,8 +22,8 @@ import msgspec
 import trio
 
 from ...gpu import WorkerConfig, WorkerFailure
-from ...gpu import _worker_process as W
-from ...gpu._process import is_exiting, process_state
+from ...gpu import worker_process as W
+from ...process import is_exiting, process_state
 from ...transport_shm import Record, RingAddress, RingReader
 from ..protocol._errors import RemoteError
 from ._node_link import without_node_token

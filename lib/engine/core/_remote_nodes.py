@@ -29,7 +29,7 @@ from typing import Final
 
 import trio
 
-from ...gpu import _worker_process as W
+from ...gpu import worker_process as W
 from ...transport_shm import BusyError, Record
 from ..protocol._errors import RemoteError
 from ._node_link import FRAME as FRAME

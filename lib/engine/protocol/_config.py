@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ...gpu import WorkerConfig
+from ...config import WorkerConfig
 from ...transport_shm import RingAddress
 
 EXECUTORS = ("auto", "uni", "multiproc", "null")

@@ -28,7 +28,7 @@ from typing import Final
 
 import msgspec
 
-from ...gpu import KernelChoice, SamplingOptions
+from ...wire import KernelChoice, SamplingOptions
 
 ADD: Final = 1
 ABORT: Final = 2

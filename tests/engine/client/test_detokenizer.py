@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
+from trillm.default_model import default_model_dir
 from trillm.engine.client._detokenizer import IncrementalDetokenizer, StopChecker
-from trillm.gpu._default_model import default_model_dir
 
 
 @functools.cache

@@ -6,7 +6,7 @@ import trio
 import trio.testing
 
 from trillm.engine.client._watchdog import _wait_still
-from trillm.gpu._process import process_state
+from trillm.process import process_state
 
 
 async def test_the_watchdog_waits_for_silence_not_for_time(

@@ -19,18 +19,13 @@ import hashlib
 import importlib.util
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
-
-import torch
-from safetensors.torch import save_file
-from tqdm import tqdm  # type: ignore[import-untyped]
-
-from ._gguf import GGUFCheckpoint, GGUFError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 MANIFEST_NAME = "trillm-manifest.json"
@@ -80,12 +75,16 @@ def find_default_gguf() -> Path:
     )
 
 
-def default_model_dir(cache_dir: Path | None = None, *, progress: bool = True) -> Path:
+def default_model_dir(
+    cache_dir: Path | None = None, *, progress: bool = True, in_child: bool = False
+) -> Path:
     """The default model as a Hugging Face directory, converting it on first use.
 
     Args:
         cache_dir: where converted models live; `~/.cache/trillm` when None.
         progress: show a progress bar on stderr while converting.
+        in_child: convert in a child process (`python -m trillm.default_model`), so that this
+            one never loads torch: the API server's way, which must stay lean.
 
     Returns:
         The directory, verified against its manifest.
@@ -109,7 +108,7 @@ def default_model_dir(cache_dir: Path | None = None, *, progress: bool = True) -
         )
         _discard(model_dir)
     _sweep_abandoned(cache_dir, model_dir.name)
-    return _convert_into(gguf_path, model_dir, progress=progress)
+    return _convert_into(gguf_path, model_dir, progress=progress, in_child=in_child)
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = True) -> Path:
@@ -168,11 +167,16 @@ def verify_conversion(model_dir: Path, source_sha256: str | None = None) -> str 
     return None
 
 
-def _convert_into(gguf_path: Path, out_dir: Path, *, progress: bool) -> Path:
+def _convert_into(
+    gguf_path: Path, out_dir: Path, *, progress: bool, in_child: bool = False
+) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:
-        _write_model(gguf_path, tmp, progress=progress)
+        if in_child:
+            _write_model_in_child(gguf_path, tmp, progress=progress)
+        else:
+            _write_model(gguf_path, tmp, progress=progress)
         try:
             tmp.rename(out_dir)
         except OSError as exc:
@@ -184,7 +188,26 @@ def _convert_into(gguf_path: Path, out_dir: Path, *, progress: bool) -> Path:
     return out_dir
 
 
+def _write_model_in_child(gguf_path: Path, out: Path, *, progress: bool) -> None:
+    """`_write_model` in a child process; its errors reach stderr, and the exit names them."""
+    argv = [sys.executable, "-m", "trillm.default_model", str(gguf_path), str(out)]
+    done = subprocess.run([*argv, *([] if progress else ["--quiet"])], check=False)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"converting {gguf_path.name} failed in its child process (exit "
+            f"{done.returncode}); the child's error is printed above"
+        )
+
+
 def _write_model(gguf_path: Path, out: Path, *, progress: bool) -> None:
+    # Imported here: the conversion needs torch, and finding or verifying the cached model
+    # must not load it (the API process resolves the default model and stays lean).
+    import torch
+    from safetensors.torch import save_file
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    from .gpu import GGUFCheckpoint
+
     with GGUFCheckpoint.open(gguf_path) as checkpoint:
         config = checkpoint.config
         chat_template = checkpoint.metadata("tokenizer.chat_template")
@@ -230,6 +253,8 @@ def _write_tokenizer(
     """
     # Imported here: transformers is slow to import, and only conversion needs it.
     from transformers import AutoTokenizer
+
+    from .gpu import GGUFError
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -279,3 +304,7 @@ def _sweep_abandoned(cache_dir: Path, name: str) -> None:
                 shutil.rmtree(path, ignore_errors=True)
         except FileNotFoundError:
             continue
+
+
+if __name__ == "__main__":  # `_write_model_in_child`: python -m trillm.default_model GGUF OUT
+    _write_model(Path(sys.argv[1]), Path(sys.argv[2]), progress="--quiet" not in sys.argv[3:])

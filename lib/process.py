@@ -1,4 +1,6 @@
-"""Process plumbing shared by the engine process and the worker processes."""
+"""Process plumbing shared by every process: the frontend, the engine and the workers.
+
+No torch and nothing of trillm: the API process reads a child's state with it too."""
 
 from __future__ import annotations
 

@@ -1,0 +1,85 @@
+"""Records the device side and the API process both read, in a module without torch.
+
+- `SamplingOptions`: one request's validated sampling settings. The frontend's `SamplingParams`
+  converts to it, ADD carries it to the engine, the scheduler hands it to the sampler. Field
+  order is wire ABI: append new fields at the end.
+- `KernelChoice`: the kernels a worker chose at load (`trillm.gpu._kernels.choose_kernels`);
+  READY carries it to the frontend for the start-up line, `/version` and the
+  `trillm:kernel_info` metric.
+
+They live outside `trillm.gpu` so that the API process never loads torch to read them.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingOptions(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """What the sampler needs to know about one request (already validated)."""
+
+    temperature: float = 1.0  # 0 means greedy (exact argmax)
+    top_p: float = 1.0  # 1 means off
+    top_k: int = 0  # 0 means off
+    min_p: float = 0.0  # 0 means off
+    presence_penalty: float = 0.0  # on output tokens
+    frequency_penalty: float = 0.0  # on output tokens
+    repetition_penalty: float = 1.0  # on prompt and output tokens; 1 means off
+    seed: int | None = None  # own generator: same tokens whatever else is in the batch
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many were generated
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # (the engine stops on EOS; the sampler only masks it, above)
+    logprobs: int | None = None  # None: none; k >= 0: sampled token's logprob and top k
+    prompt_logprobs: int | None = None  # None: none; k >= 0: per prompt position, top k
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+class KernelChoice(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """The kernels in use: device, dtype, the linear path and why. Field order is ABI.
+
+    `linear` is "onednn" (weights packed for oneDNN), "aten" (`F.linear`: MKL on CPU,
+    cuBLAS on CUDA); `isa` is what the choice depended on (`CpuFeatures.summary()` on CPU,
+    the GPU's name on CUDA); `attention` is the attention backend ("torch" or "triton");
+    `quantization` is "gguf" (GGUF blocks kept, int4 kernel) or "none", and
+    `quantization_reason` what that means; `decode` is how CPU decode steps run ("c": one C
+    call per step, `_cpu_decode`; "torch (why)"; "" on CUDA).
+    """
+
+    device: str
+    dtype: str
+    linear: str
+    isa: str = ""
+    reason: str = ""
+    attention: str = ""
+    quantization: str = ""
+    quantization_reason: str = ""
+    decode: str = ""
+
+    def describe(self) -> str:
+        """One line for a log: "kernels: bfloat16 on cpu, linears aten (isa ...; reason),
+        attention torch, quantization gguf (...)"."""
+        why = "; ".join(part for part in (self.isa, self.reason) if part)
+        line = f"kernels: {self.dtype} on {self.device}, linears {self.linear} ({why})"
+        if self.attention:
+            line += f", attention {self.attention}"
+            if self.attention == "triton" and self.device == "cpu":
+                line += " (Triton's interpreter on CPU: for correctness only, very slow)"
+        if self.quantization not in ("", "none"):  # dense weights need no word
+            line += f", quantization {self.quantization}"
+            if self.quantization_reason:
+                line += f" ({self.quantization_reason})"
+        if self.decode:
+            line += f", decode {self.decode}"
+        return line
