@@ -8,16 +8,16 @@ from ..config import WorkerConfig as WorkerConfig
 from ..config import WorkerConfigError as WorkerConfigError
 from ..wire import KernelChoice as KernelChoice
 from ..wire import SamplingOptions as SamplingOptions
+from . import _worker_process as worker_process  # noqa: F401 - the workers' wire, for executors
 from ._cpu_linear import CpuFeatures as CpuFeatures
 from ._cpu_linear import CpuLinearUnsupportedError as CpuLinearUnsupportedError
 from ._cpu_linear import probe_cpu_features as probe_cpu_features
-from . import _worker_process as worker_process  # the worker process's wire, for the executors
 from ._failure import InjectedFault as InjectedFault
+from ._failure import WorkerFailure as WorkerFailure
 from ._failure import raised_in as raised_in
 from ._gguf import GGUFCheckpoint as GGUFCheckpoint
 from ._gguf import GGUFError as GGUFError
 from ._grammar_mask import step_bitmask as step_bitmask
-from ._failure import WorkerFailure as WorkerFailure
 from ._model_config import ModelConfig as ModelConfig
 from ._model_config import ModelConfigError as ModelConfigError
 from ._model_runner import ModelRunner as ModelRunner

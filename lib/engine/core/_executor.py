@@ -26,8 +26,8 @@ from ...gpu import (
     Worker,
     WorkerConfig,
     WorkerFailure,
+    step_bitmask,
 )
-from ...gpu import step_bitmask
 from ..protocol._errors import RemoteError
 from ._errors import WorkerDiedError
 

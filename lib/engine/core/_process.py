@@ -18,8 +18,7 @@ import traceback
 import msgspec
 import setproctitle
 
-from ...gpu import open_model
-from ...gpu import raised_in
+from ...gpu import open_model, raised_in
 from ...process import die_with_parent
 from ...transport_shm import RingReader, RingWriter
 from ..protocol import _messages as P
