@@ -136,7 +136,6 @@ class AsyncLLM:
                     self._raise_engine_error(engine)
                     raise
                 state.on_engine = True
-            self._processor.stats.prompt_tokens += len(token_ids) * params.n
             yield RequestStream(mailbox, params.n)
         finally:
             self._router.loads[engine.index] -= params.n

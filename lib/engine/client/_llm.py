@@ -192,7 +192,7 @@ class LLM:
                 for request in requests:
                     self._send(request, open_rnums)
                 started, done_prompt = time.monotonic(), 0
-                first_generated = self._processor.stats.generation_tokens
+                first_generated = self._processor.generation_tokens
                 while open_rnums:
                     self._client.pump()
                     if len(states) == len(open_rnums):
@@ -206,7 +206,7 @@ class LLM:
                             done_prompt += len(request.token_ids)
                             bar.update(1)
                     elapsed = max(time.monotonic() - started, 1e-9)
-                    generated = self._processor.stats.generation_tokens - first_generated
+                    generated = self._processor.generation_tokens - first_generated
                     bar.set_postfix_str(
                         f"est. speed input: {done_prompt / elapsed:.2f} toks/s, "
                         f"output: {generated / elapsed:.2f} toks/s",
@@ -240,7 +240,6 @@ class LLM:
             open_rnums[rnum] = request
             options = request.params.child_options(index, vocab_size=vocab)
             self._client.send_add(rnum, options, request.max_tokens, request.token_ids)
-        self._processor.stats.prompt_tokens += len(request.token_ids) * request.params.n
 
     def _abandon(self, rnums: list[int]) -> None:
         """Forget unfinished children (an error or an interrupt ended the batch); abort them."""

@@ -37,8 +37,6 @@ class RequestState:
     arrival_time: float
     prompt_token_ids: list[int] = field(default_factory=list)
     num_output_tokens: int = 0
-    first_token_time: float | None = None
-    last_token_time: float | None = None
     finished: bool = False
     token_ids: list[int] = field(default_factory=list)
     engine: int = 0  # the data-parallel engine it runs on
@@ -54,23 +52,14 @@ class RequestState:
     quarantined: bool = False
 
 
-@dataclass(slots=True)
-class FrontendStats:
-    """Aggregated counters for metrics."""
-
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    finished: dict[str, int] = field(default_factory=dict)
-    time_to_first_token: list[float] = field(default_factory=list)
-    inter_token_latency: list[float] = field(default_factory=list)
-
-
 class OutputProcessor:
     """Fans each STEP record out to the requests it names."""
 
     def __init__(self) -> None:
         self.states: dict[int, RequestState] = {}
-        self.stats = FrontendStats()
+        # Tokens generated over this processor's life: `LLM`'s progress bar reads it. The
+        # latency series are the server's Prometheus histograms (`http._metrics`), not kept here.
+        self.generation_tokens = 0
 
     def process_step(self, view: StepView) -> list[int]:
         """Apply one STEP record; returns rnums that a stop string finished (to abort)."""
@@ -115,29 +104,20 @@ class OutputProcessor:
                 state.num_output_tokens + len(new),
                 cached[i] if cached is not None else 0,
             )
-            self._account(state, len(new), now)
+            self._account(state, len(new))
             state.token_ids += new
             if reason is not None:
                 state.finished = True
                 del states[rnum]
-                self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
             if state.mailbox.put(output):
                 to_wake.append(state.mailbox)
         for mailbox in to_wake:
             mailbox.wake()
         return to_abort
 
-    def _account(self, state: RequestState, num_tokens: int, now: float) -> None:
-        if not num_tokens:
-            return
-        if state.first_token_time is None:
-            state.first_token_time = now
-            self.stats.time_to_first_token.append(now - state.arrival_time)
-        elif state.last_token_time is not None:
-            self.stats.inter_token_latency.append((now - state.last_token_time) / num_tokens)
-        state.last_token_time = now
+    def _account(self, state: RequestState, num_tokens: int) -> None:
         state.num_output_tokens += num_tokens
-        self.stats.generation_tokens += num_tokens
+        self.generation_tokens += num_tokens
 
     @staticmethod
     def _logprobs(
