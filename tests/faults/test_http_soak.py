@@ -20,8 +20,16 @@ import trio
 
 from ..http.conftest import Server
 from .figures import record
-from .http_harness import held, null_args, open_sse, port_of, process_figures, scrape, serving
-from .http_harness import tiny_model_dir
+from .http_harness import (
+    held,
+    null_args,
+    open_sse,
+    port_of,
+    process_figures,
+    scrape,
+    serving,
+    tiny_model_dir,
+)
 
 STREAMS = 128
 TOKENS = 480  # the tiny model's 512 positions, less the prompt

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
-import numpy as np
 import trio
 
 from ...process import process_state
@@ -26,11 +24,10 @@ from ..protocol import _messages as P
 from ..protocol._config import EngineConfig
 from ..protocol._errors import RemoteError
 from ..protocol._step_record import StepView
-from ._errors import RequestFailedError
+from ._connection import EngineConnection, Outgoing, ProtocolError
 from ._inproc import EngineProcess, start_in_process
 from ._launch import EngineStartError, spawn_engine
 from ._output_processor import OutputProcessor
-from ._streams import prompt_logprobs_output
 from ._watchdog import not_responding_error, wait_heartbeat_stopped
 
 
@@ -55,7 +52,7 @@ class EngineClient:
         self.on_death = on_death
         self.dead = False
         self.ready: P.Ready
-        self._encoder = msgspec.msgpack.Encoder()
+        self.connection = EngineConnection()
         self._send_lock = trio.StrictFIFOLock()
         self._utility_waiters: dict[int, tuple[trio.Event, list[Any]]] = {}
         self._exit_error: RemoteError | None = None
@@ -124,16 +121,11 @@ class EngineClient:
             raise EngineStartError(
                 self.named(RemoteError("engine", "TimeoutError", f"not ready in {timeout} s"))
             )
-        kind, payload = records[0]
-        data = bytes(payload)
+        ready = self.connection.ready(*records[0])
         self.outputs.release()
-        if kind == P.DEAD:
-            raise EngineStartError(self.named(msgspec.msgpack.decode(data, type=RemoteError)))
-        if kind != P.READY:
-            raise EngineStartError(
-                self.named(RemoteError("engine", "ProtocolError", f"record kind {kind}"))
-            )
-        self.ready = msgspec.msgpack.decode(data, type=P.Ready)
+        if isinstance(ready, RemoteError):
+            raise EngineStartError(self.named(ready))
+        self.ready = ready
         return self.ready
 
     async def _first_record(self) -> tuple[int, memoryview]:
@@ -195,23 +187,17 @@ class EngineClient:
         num_output_tokens: int = 0,
     ) -> None:
         """ADD `ids` (prompt, then `num_output_tokens` already generated when resumed)."""
-        add = P.AddHeader(rnum, options, max_tokens, time.time(), grammar, num_output_tokens)
-        header = self._encoder.encode(add)
-        offset, size = P.add_size(header, len(ids))
-        async with self._send_lock:
-            view = await self._reserve(size)
-            P.pack_add(view, header, offset)
-            view[offset:size] = np.asarray(ids, "<i4").view(np.uint8).data
-            self.requests.commit(P.ADD)
+        conn = self.connection
+        await self.send(conn.encode_add(rnum, options, max_tokens, ids, grammar, num_output_tokens))
 
-    async def send(self, kind: int, data: bytes) -> None:
+    async def send(self, record: Outgoing) -> None:
         async with self._send_lock:
-            view = await self._reserve(len(data))
-            view[:] = data
-            self.requests.commit(kind)
+            view = await self._reserve(record.size)
+            record.write(view)
+            self.requests.commit(record.kind)
 
     async def send_abort(self, rnums: list[int]) -> None:
-        await self.send(P.ABORT, np.asarray(rnums, "<u8").tobytes())
+        await self.send(self.connection.encode_abort(rnums))
 
     async def _reserve(self, size: int) -> memoryview:
         """Room in the request ring (the caller holds `_send_lock`: one waiter at a time)."""
@@ -224,8 +210,7 @@ class EngineClient:
         event = trio.Event()
         self._utility_waiters[call_id] = (event, [])
         try:
-            call = P.UtilityCall(call_id, method, args or [])
-            await self.send(P.UTILITY, self._encoder.encode(call))
+            await self.send(self.connection.encode_utility(call_id, method, args))
             await event.wait()
         finally:
             result = self._utility_waiters.pop(call_id)[1]
@@ -269,23 +254,30 @@ class EngineClient:
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self.die(self._exit_error or RemoteError("engine", exit_code=None))
                 return
-            if kind == P.STEP:
-                to_abort = processor.process_step(StepView(payload))
+            try:
+                record = self.connection.receive(kind, payload)
+            except ProtocolError:  # an unknown kind from a newer engine: not ours to read
+                reader.release()
+                continue
+            if isinstance(record, StepView):
+                to_abort = processor.process_step(record)
                 reader.release()
                 if to_abort:
                     # if it died, the next peek says how
                     with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                         await self.send_abort(to_abort)
-            elif kind == P.EVENT:
-                self._event(msgspec.msgpack.decode(payload, type=P.Event))
-                reader.release()
-            elif kind == P.DEAD:
-                error = msgspec.msgpack.decode(payload, type=RemoteError)
-                reader.release()
-                self.die(error)
+                continue
+            reader.release()
+            if isinstance(record, RemoteError):
+                self.die(record)
                 return
-            else:
-                reader.release()
+            if isinstance(record, P.UtilityResult):
+                waiter = self._utility_waiters.get(record.call_id)
+                if waiter is not None:
+                    waiter[1].extend((record.ok, record.result))
+                    waiter[0].set()
+            elif not isinstance(record, P.Ready):
+                processor.process_event(record)
 
     async def _watchdog(self, timeout: float) -> None:
         """Declare the engine dead, and kill it, when its heartbeat stops (`_heartbeat`)."""
@@ -297,22 +289,6 @@ class EngineClient:
             return  # it died or exited anyway: the supervisor tells how
         self.die(not_responding_error(self.process.pid, still, timeout))
         self.process.kill()  # the supervisor reaps it; its workers die with it
-
-    def _event(self, event: P.Event) -> None:
-        states = self.processor.states
-        if event.kind == "prompt_logprobs":
-            state = states.get(event.rnum)
-            if state is not None and state.mailbox.put(prompt_logprobs_output(state, event)):
-                state.mailbox.wake()
-        elif event.kind == "request_error":  # this request alone failed in the engine
-            state = states.pop(event.rnum, None)
-            if state is not None and state.mailbox.fail(RequestFailedError(str(event.result))):
-                state.mailbox.wake()
-        elif event.kind == "utility_result":
-            waiter = self._utility_waiters.get(event.call_id)
-            if waiter is not None:
-                waiter[1].extend((event.ok, event.result))
-                waiter[0].set()
 
     def die(self, error: RemoteError) -> None:
         """Report the death once (named); wake every utility caller."""
@@ -328,11 +304,11 @@ class EngineClient:
         """Drain the engine (bounded), then make sure it is gone and the rings are closed."""
         with trio.CancelScope(shield=True):
             if not self.dead and self.process.poll() is None:
-                data = self._encoder.encode(P.Shutdown("drain", timeout))
-                view = self.requests.try_reserve(len(data))
+                record = self.connection.encode_shutdown("drain", timeout)
+                view = self.requests.try_reserve(record.size)
                 if view is not None:
-                    view[:] = data
-                    self.requests.commit(P.SHUTDOWN)
+                    record.write(view)
+                    self.requests.commit(record.kind)
             with trio.move_on_after(timeout + 5):
                 await self._exited.wait()
             if self.process.poll() is None:

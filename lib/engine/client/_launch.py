@@ -19,6 +19,7 @@ from ...transport_shm import BusyError, RingReader, RingWriter
 from ..protocol import _messages as P
 from ..protocol._config import EngineArgs, EngineConfig
 from ..protocol._errors import RemoteError
+from ._connection import EngineConnection
 
 
 class EngineStartError(RuntimeError):
@@ -90,10 +91,8 @@ def wait_ready(
             continue
         except Exception:
             raise EngineStartError(exit_error(process)) from None
-        data = bytes(payload)
+        ready = EngineConnection().ready(kind, payload)
         outputs.release()
-        if kind == P.DEAD:
-            raise EngineStartError(msgspec.msgpack.decode(data, type=RemoteError))
-        if kind == P.READY:
-            return msgspec.msgpack.decode(data, type=P.Ready)
-        raise EngineStartError(RemoteError("engine", "ProtocolError", f"record kind {kind}"))
+        if isinstance(ready, RemoteError):
+            raise EngineStartError(ready)
+        return ready

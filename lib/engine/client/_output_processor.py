@@ -10,7 +10,6 @@ the synchronous client (`_sync_client`) share it.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +62,6 @@ class OutputProcessor:
 
     def process_step(self, view: StepView) -> list[int]:
         """Apply one STEP record; returns rnums that a stop string finished (to abort)."""
-        now = time.monotonic()
         states = self.states
         offsets = view.tok_offsets.tolist()
         tokens = view.tokens.tolist()
@@ -139,16 +137,16 @@ class OutputProcessor:
             out.append(TokenLogprob(int(view.tokens[t]), logprob, top))
         return out
 
-    def process_event(self, event: P.Event) -> None:
+    def process_event(self, event: P.PromptLogprobsChunk | P.RequestError) -> None:
         """Apply a request's EVENT: a chunk of its prompt logprobs, or its own failure (the
         engine refused it alone). Utility results are the caller's."""
-        if event.kind == "prompt_logprobs":
+        if isinstance(event, P.PromptLogprobsChunk):
             state = self.states.get(event.rnum)
             if state is not None and state.mailbox.put(prompt_logprobs_output(state, event)):
                 state.mailbox.wake()
-        elif event.kind == "request_error":
+        else:
             state = self.states.pop(event.rnum, None)
-            if state is not None and state.mailbox.fail(RequestFailedError(str(event.result))):
+            if state is not None and state.mailbox.fail(RequestFailedError(event.message)):
                 state.mailbox.wake()
 
     def fail_engine(self, engine: int, error: BaseException) -> None:
@@ -168,7 +166,7 @@ class OutputProcessor:
             mailbox.wake()
 
 
-def prompt_logprobs_output(state: RequestState, event: P.Event) -> Output:
+def prompt_logprobs_output(state: RequestState, event: P.PromptLogprobsChunk) -> Output:
     """An output carrying one chunk of prompt logprobs (None for the first prompt token)."""
     logprobs = np.frombuffer(event.logprobs, "<f4").tolist()
     k = event.k

@@ -25,8 +25,6 @@ import subprocess
 import time
 from typing import Any, NoReturn
 
-import msgspec
-import numpy as np
 import trio
 
 from ...transport_shm import BusyError, Record
@@ -34,6 +32,7 @@ from ..protocol import _messages as P
 from ..protocol._config import EngineConfig
 from ..protocol._errors import RemoteError, death_message
 from ..protocol._step_record import StepView
+from ._connection import EngineConnection, Outgoing, ProtocolError
 from ._errors import EngineDeadError
 from ._launch import exit_error, spawn_engine, wait_ready
 from ._output_processor import OutputProcessor
@@ -57,7 +56,7 @@ class SyncEngineClient:
         self.processor = processor
         self.watchdog_timeout = watchdog_timeout
         self.error: EngineDeadError | None = None  # set once it died or was shut down
-        self._encoder = msgspec.msgpack.Encoder()
+        self.connection = EngineConnection()
         self._to_abort: list[int] = []  # finished by a stop string while reading
         self._closed = False
         self.process, self.requests, self.outputs = spawn_engine(config)
@@ -73,17 +72,14 @@ class SyncEngineClient:
 
     def send_add(self, rnum: int, options: Any, max_tokens: int, ids: list[int]) -> None:
         """ADD request `rnum`: prompt `ids`, at most `max_tokens` new ones."""
-        header = self._encoder.encode(P.AddHeader(rnum, options, max_tokens, time.time()))
-        offset, size = P.add_size(header, len(ids))
-        view = self._reserve(size)
-        P.pack_add(view, header, offset)
-        view[offset:size] = np.asarray(ids, "<i4").view(np.uint8).data
-        self.requests.commit(P.ADD)
+        self._send(self.connection.encode_add(rnum, options, max_tokens, ids))
 
     def send_abort(self, rnums: list[int]) -> None:
-        data = np.asarray(rnums, "<u8").tobytes()
-        self._reserve(len(data))[:] = data
-        self.requests.commit(P.ABORT)
+        self._send(self.connection.encode_abort(rnums))
+
+    def _send(self, record: Outgoing) -> None:
+        record.write(self._reserve(record.size))
+        self.requests.commit(record.kind)
 
     def _reserve(self, size: int) -> memoryview:
         """Room in the request ring; while there is none, outputs are read (see the module)."""
@@ -124,15 +120,17 @@ class SyncEngineClient:
         except _GONE:  # declared dead by `_check_exited` and everything read: no DEAD record
             self._die(exit_error(self.process))
         while record is not None:
-            kind, payload = record
-            if kind == P.STEP:
-                self._to_abort += self.processor.process_step(StepView(payload))
-            elif kind == P.EVENT:
-                self.processor.process_event(msgspec.msgpack.decode(payload, type=P.Event))
-            elif kind == P.DEAD:
-                error = msgspec.msgpack.decode(payload, type=RemoteError)
+            try:
+                message = self.connection.receive(*record)
+            except ProtocolError:  # an unknown kind from a newer engine: not ours to read
+                message = None
+            if isinstance(message, StepView):
+                self._to_abort += self.processor.process_step(message)
+            elif isinstance(message, P.PromptLogprobsChunk | P.RequestError):
+                self.processor.process_event(message)
+            elif isinstance(message, RemoteError):
                 reader.release()
-                self._die(error)
+                self._die(message)
             reader.release()
             try:
                 record = reader.try_peek()
@@ -208,12 +206,12 @@ class SyncEngineClient:
                 self.error = EngineDeadError(shut)
 
     def _send_shutdown(self, timeout: float) -> None:
-        data = self._encoder.encode(P.Shutdown("drain", timeout))
+        record = self.connection.encode_shutdown("drain", timeout)
         with contextlib.suppress(*_GONE):
-            view = self.requests.try_reserve(len(data))
+            view = self.requests.try_reserve(record.size)
             if view is not None:
-                view[:] = data
-                self.requests.commit(P.SHUTDOWN)
+                record.write(view)
+                self.requests.commit(record.kind)
 
     def _discard_outputs(self) -> None:
         """Read and drop one record (the engine must not block on a full output ring)."""

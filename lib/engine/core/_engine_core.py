@@ -152,8 +152,7 @@ class EngineCore:
 
     def _write(self, result: StepResult) -> None:
         for rnum, prompt in result.prompt_logprobs.items():
-            event = P.Event(
-                "prompt_logprobs",
+            event = P.PromptLogprobsChunk(
                 rnum=rnum,
                 first_position=prompt.first_position,
                 k=0 if prompt.topk_ids is None else int(prompt.topk_ids.shape[1]),
@@ -222,7 +221,7 @@ class EngineCore:
                 self.scheduler.add_request(request)
             except InvalidRequestError as exc:  # the frontend validates; never kill the engine
                 self._rejected.append(header.rnum)
-                self._send_event(P.Event("request_error", rnum=header.rnum, result=str(exc)))
+                self._send_event(P.RequestError(header.rnum, str(exc)))
                 self._needs_flush = True
                 return
             if header.grammar:
@@ -276,7 +275,7 @@ class EngineCore:
             if self.scheduler.grammar_failed(rnum):
                 print(f"trillm engine: request {rnum} failed: {message}", file=sys.stderr)
                 self._rejected.append(rnum)
-                self._send_event(P.Event("request_error", rnum=rnum, result=message))
+                self._send_event(P.RequestError(rnum, message))
                 self._needs_flush = True
 
     def _abort_all(self) -> None:
@@ -289,7 +288,7 @@ class EngineCore:
             result, ok = self._call(call.method, call.args), True
         except UtilityError as exc:
             result, ok = str(exc), False
-        self._send_event(P.Event("utility_result", call_id=call.call_id, ok=ok, result=result))
+        self._send_event(P.UtilityResult(call.call_id, ok, result))
 
     def _call(self, method: str, args: list[object]) -> object:
         if method not in P.UTILITY_METHODS:

@@ -14,7 +14,7 @@ Request ring (frontend -> engine):
 Output ring (engine -> frontend):
 - READY:    msgpack `Ready` (post-initialisation facts)
 - STEP:     one columnar record per engine step (`write_step`, `StepView`)
-- EVENT:    msgpack `Event` (utility results, prompt logprobs, ...)
+- EVENT:    msgpack `Event`: a `UtilityResult`, `PromptLogprobsChunk` or `RequestError`
 - DEAD:     msgpack `RemoteError`, the engine's last record
 
 Besides records, the engine bumps the output ring's heartbeat word every `HEARTBEAT_INTERVAL`
@@ -27,6 +27,7 @@ import struct
 from typing import Final
 
 import msgspec
+import numpy as np
 
 from ...wire import KernelChoice, SamplingOptions
 
@@ -80,7 +81,7 @@ class AddHeader(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, f
 
 
 class UtilityCall(msgspec.Struct, array_like=True, gc=False, frozen=True):
-    """A control call; answered by an `Event("utility_result", call_id, ok, result)`."""
+    """A control call; answered by a `UtilityResult` with its `call_id`."""
 
     call_id: int
     method: str  # one of UTILITY_METHODS
@@ -105,19 +106,38 @@ class Ready(msgspec.Struct, array_like=True, gc=False, frozen=True):
     kernels: KernelChoice | None = None  # what the model runs with (None: no model)
 
 
-class Event(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
-    """A rare message: `kind` says which fields mean something. Field order is ABI."""
+class UtilityResult(msgspec.Struct, tag="utility_result", array_like=True, gc=False, frozen=True):
+    """The engine's answer to a `UtilityCall`. Field order is ABI (after the tag)."""
 
-    kind: str  # "utility_result", "prompt_logprobs"
-    call_id: int = 0
-    ok: bool = True
-    result: object = None
-    rnum: int = 0
-    first_position: int = 0
-    k: int = 0
-    logprobs: bytes = b""
-    topk_ids: bytes = b""
-    topk_logprobs: bytes = b""
+    call_id: int
+    ok: bool
+    result: object = None  # the method's value, or the error's message when not ok
+
+
+class PromptLogprobsChunk(
+    msgspec.Struct, tag="prompt_logprobs", array_like=True, gc=False, frozen=True
+):
+    """One prefill chunk's prompt logprobs of request `rnum`: little-endian arrays, `k` top
+    entries per position (0: none). Field order is ABI (after the tag)."""
+
+    rnum: int
+    first_position: int
+    k: int
+    logprobs: bytes  # f32 per position
+    topk_ids: bytes = b""  # i32 [positions, k]
+    topk_logprobs: bytes = b""  # f32 [positions, k]
+
+
+class RequestError(msgspec.Struct, tag="request_error", array_like=True, gc=False, frozen=True):
+    """The engine refused or failed request `rnum` alone (a grammar that did not compile, a
+    mask that ran out of fuel); the others go on."""
+
+    rnum: int
+    message: str
+
+
+# EVENT's payload: msgpack of one of these, told apart by its tag (the first array element).
+Event = UtilityResult | PromptLogprobsChunk | RequestError
 
 
 _ADD_LEN = struct.Struct("<I")
@@ -129,10 +149,13 @@ def add_size(header: bytes, num_tokens: int) -> tuple[int, int]:
     return offset, offset + 4 * num_tokens
 
 
-def pack_add(view: memoryview, header: bytes, tokens_offset: int) -> None:
-    """Write an ADD's length and header into `view`; the caller writes the tokens after."""
+def write_add(view: memoryview, header: bytes, tokens: np.ndarray) -> None:
+    """Write an ADD record (`add_size(header, len(tokens))[1]` bytes) into `view`: the header's
+    length, the header, padding, the int32 tokens. Mirrors `write_step`."""
+    offset, size = add_size(header, len(tokens))
     _ADD_LEN.pack_into(view, 0, len(header))
     view[_ADD_LEN.size : _ADD_LEN.size + len(header)] = header
+    view[offset:size] = tokens.astype("<i4", copy=False).view(np.uint8).data
 
 
 def unpack_add(

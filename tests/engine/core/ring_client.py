@@ -5,9 +5,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-import msgspec
-import numpy as np
-
+from trillm.engine.client._connection import EngineConnection, Outgoing
 from trillm.engine.client._launch import spawn_engine, wait_ready
 from trillm.engine.protocol import _messages as P
 from trillm.engine.protocol._config import EngineConfig
@@ -22,7 +20,7 @@ GREEDY = SamplingOptions(temperature=0.0, ignore_eos=True)
 class EngineClient:
     def __init__(self, config: EngineConfig, *, start_timeout: float = 120.0) -> None:
         self.process, self.requests, self.outputs = spawn_engine(config)
-        self.encoder = msgspec.msgpack.Encoder()
+        self.connection = EngineConnection()
         try:
             self.ready = wait_ready(self.process, self.requests, self.outputs, start_timeout)
         except BaseException:
@@ -39,22 +37,20 @@ class EngineClient:
     def add(
         self, rnum: int, prompt: list[int], max_tokens: int, options: SamplingOptions = GREEDY
     ) -> None:
-        header = self.encoder.encode(P.AddHeader(rnum, options, max_tokens, time.time()))
-        offset, size = P.add_size(header, len(prompt))
-        view = self.requests.reserve(size, timeout=10)
-        P.pack_add(view, header, offset)
-        view[offset:size] = np.asarray(prompt, "<i4").view(np.uint8).data
-        self.requests.commit(P.ADD)
+        self.send(self.connection.encode_add(rnum, options, max_tokens, prompt))
 
     def abort(self, rnums: list[int]) -> None:
-        self.requests.send(P.ABORT, np.asarray(rnums, "<u8").tobytes(), timeout=10)
+        self.send(self.connection.encode_abort(rnums))
 
-    def utility(self, call_id: int, method: str) -> None:
-        call = P.UtilityCall(call_id, method)
-        self.requests.send(P.UTILITY, self.encoder.encode(call), timeout=10)
+    def utility(self, call_id: int, method: str, *args: object) -> None:
+        self.send(self.connection.encode_utility(call_id, method, list(args)))
 
     def shutdown(self, mode: str, timeout: float = 30.0) -> None:
-        self.requests.send(P.SHUTDOWN, self.encoder.encode(P.Shutdown(mode, timeout)), timeout=10)
+        self.send(self.connection.encode_shutdown(mode, timeout))
+
+    def send(self, record: Outgoing) -> None:
+        record.write(self.requests.reserve(record.size, timeout=10))
+        self.requests.commit(record.kind)
 
     def pump(self, timeout: float) -> bool:
         """Handle one record; False once the engine is gone (DEAD read or the process ended)."""
@@ -67,14 +63,14 @@ class EngineClient:
         except Exception:  # broken: the engine closed or was declared dead, all read
             return False
         try:
-            if kind == P.STEP:
-                self._step(StepView(payload))
-            elif kind == P.EVENT:
-                self.events.append(msgspec.msgpack.decode(payload, type=P.Event))
-            elif kind == P.DEAD:
-                self.dead = msgspec.msgpack.decode(payload, type=RemoteError)
-                self.dead_at = time.monotonic()
+            message = self.connection.receive(kind, payload)
+            if isinstance(message, StepView):
+                self._step(message)
+            elif isinstance(message, RemoteError):
+                self.dead, self.dead_at = message, time.monotonic()
                 return False
+            elif not isinstance(message, P.Ready):
+                self.events.append(message)
         finally:
             self.outputs.release()
         return True

@@ -25,16 +25,15 @@ client_for = test_engine_process.client_for
 PROMPT = list(range(40, 73))
 
 
-def call(client: EngineClient, call_id: int, method: str, *args: object) -> P.Event:
+def call(client: EngineClient, call_id: int, method: str, *args: object) -> P.UtilityResult:
     """The engine's answer to one control call."""
-    encoded = client.encoder.encode(P.UtilityCall(call_id, method, list(args)))
-    client.requests.send(P.UTILITY, encoded, timeout=10)
+    client.utility(call_id, method, *args)
 
-    def answered() -> bool:
-        return any(e.call_id == call_id for e in client.events)
+    def answers() -> list[P.UtilityResult]:
+        return [e for e in client.events if isinstance(e, P.UtilityResult) and e.call_id == call_id]
 
-    client.run_until(answered, timeout=30)
-    return next(e for e in client.events if e.call_id == call_id)
+    client.run_until(lambda: bool(answers()), timeout=30)
+    return answers()[0]
 
 
 def cmdline(pid: int) -> str:

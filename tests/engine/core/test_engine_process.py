@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from trillm.engine.client._launch import EngineStartError
+from trillm.engine.protocol import _messages as P
 from trillm.engine.protocol._config import EngineConfig
 from trillm.gpu import WorkerConfig
 
@@ -182,8 +183,8 @@ def test_an_invalid_request_is_refused_with_an_error_row_not_a_dead_engine(
     client.add(2, [5, 6, 7], max_tokens=2)
     client.run_until(lambda: {1, 2} <= client.finish.keys())
     assert client.finish == {1: 4, 2: 2}  # ERROR, LENGTH
-    error = next(e for e in client.events if e.kind == "request_error")
-    assert error.rnum == 1 and "empty prompt" in str(error.result)
+    error = next(e for e in client.events if isinstance(e, P.RequestError))
+    assert error.rnum == 1 and "empty prompt" in error.message
 
 
 def test_sigkill_of_worker_rank_1_yields_dead_naming_the_rank_and_signal(

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import msgspec
 import numpy as np
+import pytest
 
 from trillm.engine.protocol import _messages as P
+from trillm.engine.protocol._errors import RemoteError
 from trillm.engine.protocol._step_record import StepView, write_step
 from trillm.gpu import SamplingOptions
 from trillm.transport_shm import RingReader, RingWriter
@@ -72,12 +74,47 @@ def test_add_record_round_trips() -> None:
     with writer, reader:
         options = SamplingOptions(temperature=0.5, top_p=0.9, seed=4, stop_token_ids=(3,))
         header = msgspec.msgpack.encode(P.AddHeader(17, options, 64, 123.5))
-        offset, size = P.add_size(header, 3)
-        view = writer.reserve(size)
-        P.pack_add(view, header, offset)
-        view[offset:size] = np.array([1, 2, 3], "<i4").view(np.uint8).data
+        _, size = P.add_size(header, 3)
+        P.write_add(writer.reserve(size), header, np.array([1, 2, 3]))
         writer.commit(P.ADD)
         kind, payload = reader.peek(timeout=0)
         got, tokens = P.unpack_add(payload, msgspec.msgpack.Decoder(P.AddHeader))
         assert kind == P.ADD and got.rnum == 17 and got.options == options and got.max_tokens == 64
         assert tokens.tolist() == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        P.UtilityResult(3, True, {"num_running": 1}),
+        P.UtilityResult(4, False, "no such method"),
+        P.PromptLogprobsChunk(7, 1, 2, b"\x00" * 8, b"\x01" * 16, b"\x02" * 16),
+        P.RequestError(9, "the grammar did not compile"),
+    ],
+)
+def test_events_are_one_tagged_union(event: object) -> None:
+    encoded = msgspec.msgpack.encode(event)
+    assert msgspec.msgpack.decode(encoded)[0] == type(event).__struct_config__.tag
+    assert msgspec.msgpack.decode(encoded, type=P.Event) == event
+
+
+def test_the_connection_encodes_what_the_engine_decodes() -> None:
+    from trillm.engine.client._connection import EngineConnection, ProtocolError
+
+    conn = EngineConnection()
+    options = SamplingOptions(temperature=0.0, stop_token_ids=(5,))
+    add = conn.encode_add(3, options, 16, [9, 8, 7], grammar="start: x", num_output_tokens=1)
+    view = memoryview(bytearray(add.size))
+    add.write(view)
+    header, tokens = P.unpack_add(view, msgspec.msgpack.Decoder(P.AddHeader))
+    assert (header.rnum, header.options, header.max_tokens) == (3, options, 16)
+    assert (header.grammar, header.num_output_tokens, tokens.tolist()) == ("start: x", 1, [9, 8, 7])
+    abort = conn.encode_abort([1, 2])
+    assert abort.kind == P.ABORT and abort.size == 16
+    dead = msgspec.msgpack.encode(RemoteError("engine", "ValueError", "bad"))
+    assert conn.receive(P.DEAD, memoryview(dead)) == RemoteError("engine", "ValueError", "bad")
+    assert conn.ready(P.STEP, memoryview(b"")) == RemoteError(
+        "engine", "ProtocolError", "record kind 11 before READY"
+    )
+    with pytest.raises(ProtocolError, match="kind 99"):
+        conn.receive(99, memoryview(b""))
