@@ -1,20 +1,32 @@
-"""The configuration of the device side (`WorkerConfig`), in a module without torch.
+"""The configuration of the device side (`WorkerConfig`), in a module without torch, and the
+declaration every config field that is a `trillm serve` flag carries (`Flag`).
 
 Both processes read it: the frontend parses the flags into it and sends it to the engine inside
 `EngineConfig`; the worker resolves "auto" against its device (`trillm.gpu._config`). It lives
 outside `trillm.gpu` so that the API process, which only builds and sends it, never loads torch
 (DESIGN.md §8, "the API process is lean").
+
+A flag is declared once, on the field it sets: `dataclasses.field(metadata=flag("--seed"))`
+(a msgspec Struct's fields, which carry no metadata, in a table of `Flag`s next to it). The
+command line (`trillm.cli_flags`) adds one argparse option per declaration, typed and
+defaulted like its field, and builds the configs from the parsed values (`fields_from`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import os
 import re
-from dataclasses import dataclass
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 if TYPE_CHECKING:
     import torch
@@ -26,6 +38,84 @@ CPU_LINEAR = ("auto", "onednn", "aten")  # `trillm.gpu._cpu_linear`
 QUANTIZATIONS = ("auto", "gguf", "none")  # `trillm.gpu._quantized`
 MAX_CUDA_GRAPH_BATCH = 512
 _FAULT = re.compile(r"(forward|token):\d+:\d+")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A config field's `trillm serve` flag: its names (the long one first), help and choices.
+
+    Its type is the field's (without None): a bool is a switch, `--x` (or `--x/--no-x` when it
+    defaults to True). Its default is the field's, or `cli_default` where the server's differs
+    or the field has none; None: the field's.
+    """
+
+    names: tuple[str, ...]
+    help: str | None = None
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    cli_default: Any = None
+    hidden: bool = False  # a test hook: parsed, not in --help
+
+    @property
+    def dest(self) -> str:
+        """The parsed value's name, as argparse derives it: "--max-num-seqs": max_num_seqs."""
+        return self.names[0].removeprefix("--").replace("-", "_")
+
+
+def flag(
+    *names: str,
+    help: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    metavar: str | None = None,
+    cli_default: Any = None,
+    hidden: bool = False,
+) -> dict[str, Flag]:
+    """A dataclass field's metadata that makes it a flag: `field(metadata=flag("--seed"))`."""
+    return {"flag": Flag(names, help, choices, metavar, cli_default, hidden)}
+
+
+@dataclass(frozen=True)
+class Option:
+    """A declared flag with what its field says: the argparse option, and where it goes."""
+
+    flag: Flag
+    field: str  # the config field it sets
+    kind: type  # int, float, str or bool: the field's type without None
+    default: Any  # the parser's default
+
+
+def options_of(config: type, table: Mapping[str, Flag] | None = None) -> list[Option]:
+    """The flags of `config`'s fields: a dataclass's from their metadata, in field order, or
+    those of `table` (field name -> `Flag`), for a msgspec Struct or a class declared elsewhere."""
+    hints = typing.get_type_hints(config)
+    if dataclasses.is_dataclass(config):
+        fields: list[Any] = list(dataclasses.fields(config))
+    else:
+        fields = list(msgspec.structs.fields(config))
+    defaults = {f.name: f.default for f in fields}
+    if table is None:
+        table = {f.name: f.metadata["flag"] for f in fields if "flag" in f.metadata}
+    options = []
+    for name, declared in table.items():
+        default = declared.cli_default
+        if default is None and defaults[name] not in (dataclasses.MISSING, msgspec.NODEFAULT):
+            default = defaults[name]
+        options.append(Option(declared, name, _scalar(hints[name]), default))
+    return options
+
+
+def fields_from(options: Iterable[Option], values: Mapping[str, Any]) -> dict[str, Any]:
+    """A config's keyword arguments from flag values by dest; a flag left out of `values`
+    is left to its field's default."""
+    return {o.field: values[o.flag.dest] for o in options if o.flag.dest in values}
+
+
+def _scalar(hint: Any) -> type:
+    if isinstance(hint, types.UnionType):  # `int | None`: int
+        (hint,) = (arg for arg in typing.get_args(hint) if arg is not type(None))
+    if hint not in (int, float, str, bool):
+        raise TypeError(f"a flag's field must be an int, float, str or bool, not {hint}")
+    return typing.cast(type, hint)
 
 
 class WorkerConfigError(ValueError):
@@ -42,35 +132,75 @@ class WorkerConfig:
     probed at load (`cpu_linear`, `_cpu_linear.py`).
     """
 
-    model: str  # a Hugging Face model directory or a GGUF file
-    load_format: str = "auto"
-    dtype: str = "auto"
-    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    kv_cache_bytes: int = 1 << 30  # the KV budget on CPU, where free memory is not measurable
-    gpu_memory_utilization: float = 0.9
-    seed: int = 0
+    model: str  # a Hugging Face model directory or a GGUF file (the CLI's positional MODEL)
+    load_format: str = field(default="auto", metadata=flag("--load-format", choices=LOAD_FORMATS))
+    dtype: str = field(default="auto", metadata=flag("--dtype", choices=("auto", *DTYPE_NAMES)))
+    device: str = field(default="auto", metadata=flag("--device", help="auto, cpu, cuda, cuda:N"))
+    block_size: int = field(default=16, metadata=flag("--block-size"))
+    max_num_seqs: int = field(default=256, metadata=flag("--max-num-seqs"))
+    max_num_batched_tokens: int = field(default=2048, metadata=flag("--max-num-batched-tokens"))
+    # None: the model's max_position_embeddings
+    max_model_len: int | None = field(default=None, metadata=flag("--max-model-len"))
+    # The KV budget on CPU, where free memory is not measurable.
+    kv_cache_bytes: int = field(
+        default=1 << 30,
+        metadata=flag("--kv-cache-memory-bytes", help="the KV cache budget on CPU"),
+    )
+    gpu_memory_utilization: float = field(default=0.9, metadata=flag("--gpu-memory-utilization"))
+    seed: int = field(default=0, metadata=flag("--seed"))
     # "auto": linear weights packed for oneDNN where this CPU can run the dtype (2x on
     # AVX-512; `_cpu_linear`), plain F.linear elsewhere; "onednn": packed or an error at load;
     # "aten": plain F.linear (MKL), for comparison.
-    cpu_linear: str = "auto"
+    cpu_linear: str = field(
+        default="auto",
+        metadata=flag(
+            "--cpu-linear",
+            choices=CPU_LINEAR,
+            help="CPU linear kernels: auto (oneDNN where this CPU runs the dtype, else "
+            "F.linear), onednn (or fail at load), aten (F.linear)",
+        ),
+    )
     # "auto": triton on CUDA, torch on CPU; "torch": the SDPA reference; "triton": the paged
     # kernel (`_attention_triton`), on CPU through Triton's interpreter (correctness only).
-    attention_backend: str = "auto"
+    attention_backend: str = field(
+        default="auto",
+        metadata=flag(
+            "--attention-backend",
+            choices=ATTENTION_BACKENDS,
+            help="paged attention: auto (triton on CUDA, torch on CPU), torch (SDPA reference), "
+            "triton (the paged kernel; on CPU through Triton's interpreter, for correctness "
+            "only)",
+        ),
+    )
     # No CUDA graphs: every decode step runs eager (graphs are captured on CUDA only).
-    enforce_eager: bool = False
+    enforce_eager: bool = field(
+        default=False,
+        metadata=flag(
+            "--enforce-eager",
+            help="no CUDA graphs, and on the CPU no C decode step: decode steps run the torch "
+            "forward eagerly",
+        ),
+    )
     # "gguf": a GGUF file's Q4_0 / Q4_1 weights stay int4 in memory and Q8_0 ones become
     # float16, multiplied by torch's weight-only CPU kernels (`_quantized`); "none":
     # dequantised to `dtype`; "auto": gguf for a GGUF file on the CPU, else none. (vLLM's
     # names for the flag and the values.)
-    quantization: str = "auto"
+    quantization: str = field(
+        default="auto",
+        metadata=flag(
+            "--quantization",
+            "-q",
+            choices=QUANTIZATIONS,
+            help="gguf: keep a GGUF file's Q4_0/Q4_1/Q8_0 weights quantized in memory (int4 "
+            "and float16 CPU kernels, bfloat16 activations for int4); none: dequantise them to "
+            "--dtype; auto: gguf for a GGUF file on the CPU, else none. With no MODEL, gguf "
+            "serves the built-in model's GGUF file, auto and none its float32 conversion",
+        ),
+    )
     # Test hook: "forward:RANK:STEP" raises InjectedFault inside the model's forward on that
     # rank at that step (counting from 0), so death reporting can be tested end to end;
     # "token:RANK:ID" raises it in every step whose input holds token ID (a poison request).
-    inject_fault: str | None = None
+    inject_fault: str | None = field(default=None, metadata=flag("--inject-fault", hidden=True))
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:

@@ -17,23 +17,22 @@ serves (`ready_fd`); a crash of the child is restarted there, an exit like the a
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec.structs
 import setproctitle
 import trio
 from hypercorn.config import Config as HypercornConfig
 
-from ..config import WorkerConfig
+from ..config import Flag, Option, WorkerConfig, fields_from, flag, options_of
 from ..engine.client import (
-    MAX_GRAMMAR_BYTES,
-    MAX_REGEX_OPTIONALS,
-    MAX_STRUCTURED_DEPTH,
     REASONING_PARSERS,
     EngineConfig,
     EngineDeadError,
@@ -53,18 +52,102 @@ LAST_WRITES_S = 1.0  # after the grace: the most the last error events may take
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Where to listen, plus the HTTP and engine settings."""
+    """Where to listen, plus the HTTP and engine settings.
 
-    host: str
-    port: int
+    The engine client's shutdown deadline and reasoning parser are the server's (one flag
+    each, one owner: `llm`); the HTTP layer's copies in `http` are set from them here.
+    """
+
+    host: str = field(metadata=flag("--host", cli_default="127.0.0.1"))
+    port: int = field(metadata=flag("--port", cli_default=8000))
     http: ServeConfig
     llm: LLMConfig
-    engine_death_grace: float = 5.0  # seconds of 503s between the engine's death and exiting
-    keep_alive_on_engine_death: bool = False  # never exit for the engine's death
+    # Seconds of 503s between the engine's death and exiting.
+    engine_death_grace: float = field(
+        default=5.0,
+        metadata=flag(
+            "--engine-death-grace",
+            help="seconds the server answers 503 after the engine died, then exits non-zero",
+        ),
+    )
+    keep_alive_on_engine_death: bool = field(
+        default=False,  # never exit for the engine's death
+        metadata=flag(
+            "--keep-alive-on-engine-death",
+            help="keep answering 503 after the engine died instead of exiting",
+        ),
+    )
     # Under the supervisor (`_supervisor`): the socket it bound, to listen on instead of
     # host:port, and the pipe to write "serving" to once the server listens.
     listen_fd: int | None = None
     ready_fd: int | None = None
+
+    def __post_init__(self) -> None:
+        http = dataclasses.replace(
+            self.http,
+            shutdown_timeout=self.llm.shutdown_timeout,
+            reasoning_parser=self.llm.reasoning_parser,
+        )
+        object.__setattr__(self, "http", http)
+
+    @staticmethod
+    def options() -> list[Option]:
+        """The `trillm serve` flags the server's configs declare (the worker's aside)."""
+        return [
+            *EngineConfig.options(),
+            *options_of(LLMConfig),
+            *options_of(ServeConfig, SERVE_FLAGS),
+            *options_of(ServerConfig),
+        ]
+
+
+# The flags of `ServeConfig`'s fields (declared here, by the code that builds it, so that
+# `_app` stays about the app). Its `shutdown_timeout` and `reasoning_parser` are
+# `LLMConfig`'s (`ServerConfig` copies them).
+SERVE_FLAGS = {
+    "max_queued_requests": Flag(
+        ("--max-queued-requests",),
+        "completions admitted and not finished, each prompt x n counted; beyond: 429",
+    ),
+    "max_prompts_per_request": Flag(
+        ("--max-prompts-per-request",),
+        "prompts x n in one request (a completions batch); beyond: 400",
+    ),
+    "request_body_timeout": Flag(  # 0 is None: no deadline
+        ("--request-body-timeout",),
+        "seconds a request body may take to arrive; then 408 and the connection is closed "
+        "(0: no limit)",
+    ),
+    "write_timeout": Flag(
+        ("--write-timeout",),
+        "seconds a response write may wait for a client that stopped reading; then the "
+        "request is aborted",
+    ),
+    "stream_interval": Flag(("--stream-interval",), "tokens per streamed chunk (at least)"),
+    "enable_auto_tool_choice": Flag(
+        ("--enable-auto-tool-choice",),
+        'allow tool_choice "auto": the model chooses between text and tool calls',
+    ),
+    "enable_prompt_tokens_details": Flag(
+        ("--enable-prompt-tokens-details",),
+        "report usage.prompt_tokens_details.cached_tokens (prompt tokens found in the prefix "
+        "cache); off, it is null: the count tells a client what others sent before",
+    ),
+    "tool_call_parser": Flag(
+        ("--tool-call-parser",),
+        "the tool-call format: hermes (<tool_call>{...}</tool_call>) or llama3_json",
+        choices=TOOL_CALL_PARSERS,
+    ),
+    "enable_dev_endpoints": Flag(
+        ("--enable-dev-endpoints",),
+        "serve POST /sleep, /wake_up, /pause, /resume, /reset_prefix_cache, /start_profile, "
+        "/stop_profile and GET /is_sleeping, /is_paused (vLLM's VLLM_SERVER_DEV_MODE); behind "
+        "--api-key when set",
+    ),
+    "profiler_dir": Flag(
+        ("--profiler-dir",), "where POST /start_profile's torch profiler traces are written"
+    ),
+}
 
 
 async def run_server(
@@ -169,55 +252,69 @@ async def _watch_signals(app: App, shutdown: trio.Event, everything: trio.Cancel
 
 def build_config(
     *,
-    host: str,
-    port: int,
-    served_model_name: str,
     worker: WorkerConfig,
-    tensor_parallel_size: int,
-    enable_prefix_caching: bool,
-    executor: str,
-    api_key: str | None,
-    max_queued_requests: int,
-    max_prompts_per_request: int = 1024,
-    request_body_timeout: float = 30.0,
-    shutdown_timeout: float,
-    write_timeout: float = 30.0,
-    stream_interval: int = 1,
-    null_step_time: float = 0.0,
-    engine_death_grace: float = 5.0,
-    keep_alive_on_engine_death: bool = False,
-    engine_watchdog_timeout: float = 30.0,
-    structured_outputs_timeout: float = 10.0,
-    enable_auto_tool_choice: bool = False,
-    tool_call_parser: str = "hermes",
-    reasoning_parser: str | None = None,
-    chat_template: str | None = None,
-    data_parallel_size: int = 1,
-    max_engine_restarts: int = 0,
-    engine_restart_window: float = 300.0,
-    engine_restart_wait: float = 30.0,
-    engine_in_process: bool = False,
-    nnodes: int = 1,
-    node_rank: int = 0,
-    master_addr: str = "127.0.0.1",
-    master_port: int | None = None,
+    served_model_name: str,
+    api_key: str | None = None,
     headless: bool = False,
-    distributed_timeout: float = 120.0,
-    enable_dev_endpoints: bool = False,
-    profiler_dir: str | None = None,
-    structured_outputs_max_depth: int = MAX_STRUCTURED_DEPTH,
-    structured_outputs_max_bytes: int = MAX_GRAMMAR_BYTES,
-    structured_outputs_max_regex_optionals: int = MAX_REGEX_OPTIONALS,
-    enable_prompt_tokens_details: bool = False,
+    **flags: Any,
 ) -> ServerConfig:
-    if engine_death_grace < 0:
-        raise ValueError(f"--engine-death-grace must be >= 0 seconds, got {engine_death_grace}")
-    if max_prompts_per_request < 1:
-        raise ValueError(f"--max-prompts-per-request must be >= 1, got {max_prompts_per_request}")
-    if request_body_timeout < 0:
+    """The server's configs from `trillm serve`'s flag values, each by its dest (--max-num-seqs:
+    max_num_seqs; `ServerConfig.options`); a flag left out takes its field's default.
+
+    Raises:
+        TypeError: a keyword that is no flag of the server's configs.
+        ValueError: a value out of range, or flags that do not go together (named).
+    """
+    options = ServerConfig.options()
+    unknown = sorted(set(flags) - {o.flag.dest for o in options})
+    if unknown:
+        raise TypeError(f"build_config() got an unexpected flag {unknown[0]!r}")
+    _check_flags({o.flag.dest: o.default for o in options} | flags, headless=headless)
+    llm = fields_from(options_of(LLMConfig), flags)
+    engine = EngineConfig(
+        worker=worker,
+        # The ranks' watchdog (TP > 1) is the engine's: one flag.
+        worker_watchdog_timeout=llm.get("watchdog_timeout", LLMConfig.watchdog_timeout),
+        **fields_from(EngineConfig.options(), flags),
+    )
+    tool_call_parser = flags.get("tool_call_parser", "hermes")
+    if tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(
-            f"--request-body-timeout must be >= 0 seconds (0: none), got {request_body_timeout}"
+            f"--tool-call-parser {tool_call_parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}"
         )
+    reasoning_parser = flags.get("reasoning_parser")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(
+            f"--reasoning-parser {reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}"
+        )
+    http = fields_from(options_of(ServeConfig, SERVE_FLAGS), flags)
+    if "request_body_timeout" in http:
+        http["request_body_timeout"] = http["request_body_timeout"] or None  # 0: no deadline
+    if "stream_interval" in http:
+        http["stream_interval"] = max(1, http["stream_interval"])
+    return ServerConfig(
+        http=ServeConfig(served_model_name, api_key=api_key, **http),
+        llm=LLMConfig(engine, **llm),
+        **fields_from(options_of(ServerConfig), flags),
+    )
+
+
+def _check_flags(flags: dict[str, Any], *, headless: bool) -> None:
+    """Refuse what the configs cannot see alone (flags that do not go together)."""
+    if flags["engine_death_grace"] < 0:
+        raise ValueError(
+            f"--engine-death-grace must be >= 0 seconds, got {flags['engine_death_grace']}"
+        )
+    if flags["max_prompts_per_request"] < 1:
+        raise ValueError(
+            f"--max-prompts-per-request must be >= 1, got {flags['max_prompts_per_request']}"
+        )
+    if flags["request_body_timeout"] < 0:
+        raise ValueError(
+            f"--request-body-timeout must be >= 0 seconds (0: none), got "
+            f"{flags['request_body_timeout']}"
+        )
+    node_rank = flags["node_rank"]
     if headless and node_rank == 0:
         raise ValueError(
             "--headless runs only a node's worker ranks, so it needs --node-rank >= 1: node 0 "
@@ -228,68 +325,9 @@ def build_config(
             f"--node-rank {node_rank} runs only its worker ranks: add --headless (the server "
             f"and the engine run on node 0)"
         )
-    if profiler_dir is not None and not enable_dev_endpoints:
+    if flags["profiler_dir"] is not None and not flags["enable_dev_endpoints"]:
         raise ValueError(
             "--profiler-dir is for POST /start_profile, a dev endpoint: add --enable-dev-endpoints"
         )
-    if nnodes > 1 and data_parallel_size > 1:
+    if flags["nnodes"] > 1 and flags["data_parallel_size"] > 1:
         raise ValueError("--nnodes > 1 with --data-parallel-size > 1 is not supported")
-    engine = EngineConfig(
-        worker=worker,
-        tensor_parallel_size=tensor_parallel_size,
-        enable_prefix_caching=enable_prefix_caching,
-        executor=executor,
-        null_step_time=null_step_time,
-        structured_outputs_timeout=structured_outputs_timeout,
-        worker_watchdog_timeout=engine_watchdog_timeout,
-        nnodes=nnodes,
-        node_rank=node_rank,
-        master_addr=master_addr,
-        master_port=master_port,
-        distributed_timeout=distributed_timeout,
-    )
-    if tool_call_parser not in TOOL_CALL_PARSERS:
-        raise ValueError(
-            f"--tool-call-parser {tool_call_parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}"
-        )
-    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
-        raise ValueError(
-            f"--reasoning-parser {reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}"
-        )
-    return ServerConfig(
-        host,
-        port,
-        ServeConfig(
-            served_model_name,
-            api_key=api_key,
-            max_queued_requests=max_queued_requests,
-            max_prompts_per_request=max_prompts_per_request,
-            request_body_timeout=request_body_timeout or None,  # 0: no deadline
-            shutdown_timeout=shutdown_timeout,
-            write_timeout=write_timeout,
-            stream_interval=max(1, stream_interval),
-            enable_auto_tool_choice=enable_auto_tool_choice,
-            tool_call_parser=tool_call_parser,
-            reasoning_parser=reasoning_parser,
-            enable_dev_endpoints=enable_dev_endpoints,
-            profiler_dir=profiler_dir,
-            enable_prompt_tokens_details=enable_prompt_tokens_details,
-        ),
-        LLMConfig(
-            engine,
-            shutdown_timeout=shutdown_timeout,
-            watchdog_timeout=engine_watchdog_timeout,
-            chat_template=chat_template,
-            reasoning_parser=reasoning_parser,
-            data_parallel_size=data_parallel_size,
-            max_engine_restarts=max_engine_restarts,
-            engine_restart_window=engine_restart_window,
-            engine_restart_wait=engine_restart_wait,
-            in_process=engine_in_process,
-            structured_outputs_max_depth=structured_outputs_max_depth,
-            structured_outputs_max_bytes=structured_outputs_max_bytes,
-            structured_outputs_max_regex_optionals=structured_outputs_max_regex_optionals,
-        ),
-        engine_death_grace=engine_death_grace,
-        keep_alive_on_engine_death=keep_alive_on_engine_death,
-    )

@@ -21,7 +21,7 @@ from ._config import LLMConfig
 _WORKER = frozenset(f.name for f in dataclasses.fields(WorkerConfig)) - {"model"}
 _ENGINE = frozenset(f.name for f in msgspec.structs.fields(EngineConfig)) - {
     "worker",
-    "tokenizer",  # the frontend's `tokenizer` sets it too
+    "tokenizer",  # `LLMConfig(tokenizer=...)` sets it
     "nnodes",
     "node_rank",
     "master_addr",
@@ -59,6 +59,4 @@ def offline_config(model: str | None, engine_args: Mapping[str, object]) -> LLMC
     engine.setdefault(
         "worker_watchdog_timeout", frontend.get("watchdog_timeout", LLMConfig.watchdog_timeout)
     )
-    if "tokenizer" in frontend:
-        engine["tokenizer"] = frontend["tokenizer"]
     return LLMConfig(EngineConfig(worker=worker, **engine), **frontend)  # type: ignore[arg-type]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ...config import WorkerConfig
+from ...config import Flag, Option, WorkerConfig, options_of
 from ...transport_shm import RingAddress
 
 EXECUTORS = ("auto", "uni", "multiproc", "null")
@@ -27,8 +27,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     request_ring_bytes: int = 1 << 22
     output_ring_bytes: int = 1 << 24
     output_timeout: float = 60.0  # how long a step waits for the frontend to make room
-    # Structured outputs: where the model's tokenizer is (None: the model's own), and how
-    # long one grammar may take to compile before its request fails.
+    # Structured outputs: where the model's tokenizer is (None: the model's own; the one
+    # owner of the setting: `LLMConfig.tokenizer` reads it), and how long one grammar may
+    # take to compile before its request fails.
     tokenizer: str | None = None
     structured_outputs_timeout: float = 10.0
     # Seconds without a worker rank's heartbeat before it is declared not responding and
@@ -100,6 +101,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"--nnodes {self.nnodes} needs the multiproc executor, got {self.executor!r}"
             )
 
+    @classmethod
+    def options(cls) -> list[Option]:
+        """The `trillm serve` flags of the fields (`ENGINE_FLAGS`)."""
+        return options_of(cls, ENGINE_FLAGS)
+
     @property
     def ranks_per_node(self) -> int:
         return self.tensor_parallel_size // self.nnodes
@@ -109,6 +115,42 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.executor != "auto":
             return self.executor
         return "uni" if self.tensor_parallel_size == 1 and self.nnodes == 1 else "multiproc"
+
+
+# The `trillm serve` flags of `EngineConfig`'s fields (a Struct's fields carry no metadata;
+# `trillm.config.Flag`). The server sets `worker_watchdog_timeout` from
+# `LLMConfig.watchdog_timeout` (--engine-watchdog-timeout).
+ENGINE_FLAGS = {
+    "tensor_parallel_size": Flag(("--tensor-parallel-size", "-tp")),
+    "nnodes": Flag(("--nnodes",), "machines in the TP group"),
+    "node_rank": Flag(("--node-rank",), "this machine's index (0: server)"),
+    "master_addr": Flag(("--master-addr",), "node 0's address"),
+    "master_port": Flag(
+        ("--master-port",),
+        "node 0's port for torch.distributed (and +1 for the step broadcast); required with "
+        "--nnodes > 1 (default: a free port)",
+    ),
+    "insecure_node_link": Flag(
+        ("--insecure-node-link",),
+        "let nodes join without a node token: anyone who reaches --master-port + 1 can then "
+        "join as a node and read every prompt (only on a network that no one else reaches)",
+    ),
+    "distributed_timeout": Flag(
+        ("--distributed-timeout",), "seconds for every node to join before start-up fails"
+    ),
+    "enable_prefix_caching": Flag(("--enable-prefix-caching",)),
+    "executor": Flag(
+        ("--executor",),
+        "null: no model, deterministic tokens (for host-overhead benchmarks)",
+        choices=EXECUTORS,
+    ),
+    "null_step_time": Flag(("--null-step-time",), "the null executor's step time, s"),
+    "structured_outputs_timeout": Flag(
+        ("--structured-outputs-timeout",),
+        "seconds a grammar (JSON schema, regex, tools) may take to compile; past it only that "
+        "request fails (400)",
+    ),
+}
 
 
 class EngineArgs(msgspec.Struct, frozen=True):
