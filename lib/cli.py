@@ -75,12 +75,15 @@ def raise_open_files_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
-def serve_main(args: argparse.Namespace) -> int:
-    """Serve (or, with --headless, run a node's ranks) with the configs built from `args`: each
-    config takes the values of the flags its fields declare (`trillm.config.fields_from`)."""
+def serve_config(args: argparse.Namespace) -> tuple[ServeCommand, ServerConfig]:
+    """The command's own flags and the server's configs from `args`: each config takes the
+    values of the flags its fields declare (`trillm.config.fields_from`).
+
+    Raises:
+        ValueError: a value out of range, or flags that do not go together (named).
+    """
     from .config import WorkerConfig, fields_from, options_of
     from .default_model import DEFAULT_MODEL_NAME, default_model_dir, find_default_gguf
-    from .engine.protocol import NODE_TOKEN_ENV, link_key, read_node_token
     from .http import ServerConfig, build_config, read_api_key
 
     values = vars(args)
@@ -103,6 +106,14 @@ def serve_main(args: argparse.Namespace) -> int:
         headless=command.headless,
         **flags,
     )
+    return command, config
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """Serve (or, with --headless, run this node's ranks) until stopped; the exit status."""
+    from .engine.protocol import NODE_TOKEN_ENV, link_key, read_node_token
+
+    command, config = serve_config(args)
     engine = config.llm.engine
     token = None
     if engine.nnodes > 1:  # the node link's secret: refused here, before anything starts

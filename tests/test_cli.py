@@ -1,11 +1,20 @@
-"""The `trillm` command line answers its help and version, and reaches the benchmark."""
+"""The `trillm` command line answers its help and version, reaches the benchmark, and builds
+the configs from the flags their fields declare."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import msgspec
+import pytest
+
 from trillm import __version__
+from trillm.cli import build_parser, serve_config
+from trillm.cli_flags import serve_options
+from trillm.config import WorkerConfig
+from trillm.engine.client import EngineConfig, LLMConfig
+from trillm.http import build_config
 
 
 def trillm(*args: str) -> subprocess.CompletedProcess[str]:
@@ -40,3 +49,51 @@ def test_engine_death_settings_out_of_range_are_refused_before_starting() -> Non
 def test_bench_serve_is_reachable_from_the_cli() -> None:
     run = trillm("bench", "serve", "--help")
     assert run.returncode == 0 and "--request-rate" in run.stdout and "--goodput" in run.stdout
+
+
+# -- the flags are the configs' declarations ---------------------------------------------------
+
+
+def test_a_flag_sets_the_field_that_declares_it() -> None:
+    flags = """--max-num-seqs 7 --kv-cache-memory-bytes 9 -tp 2 --engine-watchdog-timeout 8
+        --stream-interval 0 --request-body-timeout 0 --shutdown-timeout 3
+        --reasoning-parser qwen3 --port 9 --no-engine-restart --max-api-restarts 0"""
+    args = build_parser().parse_args(["serve", "m", *flags.split()])
+    command, config = serve_config(args)
+    worker = config.llm.engine.worker
+    assert (worker.model, worker.max_num_seqs, worker.kv_cache_bytes) == ("m", 7, 9)
+    assert config.llm.engine.tensor_parallel_size == 2
+    assert config.llm.watchdog_timeout == config.llm.engine.worker_watchdog_timeout == 8
+    assert (config.http.stream_interval, config.http.request_body_timeout) == (1, None)
+    assert (config.port, config.llm.max_engine_restarts, command.max_api_restarts) == (9, 0, 0)
+    # one owner each: the engine client's; the HTTP layer's copies follow it
+    assert config.http.shutdown_timeout == config.llm.shutdown_timeout == 3
+    assert config.http.reasoning_parser == config.llm.reasoning_parser == "qwen3"
+
+
+def test_the_flags_default_to_their_fields_but_where_the_server_says_otherwise() -> None:
+    parsed = vars(build_parser().parse_args(["serve"]))
+    options = serve_options()
+    assert set(parsed) == {"command", "model", *options}
+    differ = {dest for dest, o in options.items() if o.default != parsed[dest]}
+    assert differ == set()
+    cli_defaults = {dest: o.flag.cli_default for dest, o in options.items() if o.flag.cli_default}
+    assert cli_defaults == {"host": "127.0.0.1", "port": 8000, "max_engine_restarts": 3}
+
+
+def test_build_config_refuses_a_name_that_is_no_flag() -> None:
+    with pytest.raises(TypeError, match=r"^build_config\(\) got an unexpected flag 'max_num_seq'$"):
+        build_config(
+            worker=WorkerConfig("m"), served_model_name="m", host="h", port=0, max_num_seq=1
+        )
+
+
+def test_the_tokenizer_has_one_owner_the_engines() -> None:
+    engine = EngineConfig(worker=WorkerConfig("m"))
+    assert LLMConfig(engine, tokenizer="t").engine.tokenizer == "t"
+    config = LLMConfig(msgspec.structs.replace(engine, tokenizer="u"))
+    assert config.tokenizer == config.engine.tokenizer == "u"
+    with pytest.raises(
+        ValueError, match=r"^tokenizer 't' differs from the engine's 'u': give it once$"
+    ):
+        LLMConfig(msgspec.structs.replace(engine, tokenizer="u"), tokenizer="t")
