@@ -97,13 +97,13 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     workers = {"c": load(args, eager=False), "torch": load(args, eager=True)}
-    decode = workers["c"].runner.cpu_decode
+    decode = workers["c"].runner.cpu_step
     if decode is None:
         print(f"decode_profile: no C step here ({workers['c'].kernels.decode})")
         del workers["c"]
     elif args.batch > 1:  # the path of batches above the C step's: oneDNN + C attention
         workers["c_attention"] = load(args, eager=False)
-        attention_only = workers["c_attention"].runner.cpu_decode
+        attention_only = workers["c_attention"].runner.cpu_step
         assert attention_only is not None
         attention_only.max_batch = 0  # (only lowered: its scratch is sized for the build's)
     vocab = workers["torch"].runner.model_config.vocab_size

@@ -1,4 +1,7 @@
-"""The CPU decode step in one C call (`csrc/cpu_decode.c`): the CPU's answer to CUDA graphs.
+"""The CPU step in C (`CpuStep`, `csrc/cpu_decode.c`): the CPU's answer to CUDA graphs.
+
+A decode step runs in one C call; the steps it does not cover attend in C inside the torch
+forward; the logits go through the tiled head.
 
 Why: a batch-1 decode step of SmolLM2-135M in float32 must read 538 MB of weights. On the
 2-core AVX-512 CI machine the torch forward issued 4,972 torch ops a step (norms, rotary,
@@ -41,16 +44,18 @@ from .models.llama import KVCache, LlamaForCausalLM
 # linears): 16.0 / 19.7 ms at 8, 37.4 / 44.1 at 32, 63.4 / 73.1 at 64 (SmolLM2 fp32, 2 cores;
 # `perf/decode_profile.py --batch B`).
 MAX_BATCH = 64
-# Prompts attend in C (`CpuDecode.attention`) up to this context. Each query reads its keys
+# Prompts attend in C (`CpuStep.attention`) up to this context. Each query reads its keys
 # alone, so a long prompt re-reads its KV from L3 per token; torch's SDPA tiles the queries.
 # One prompt of SmolLM2 fp32 (`perf/prefill_profile.py [--torch-attention]`, median ms, C /
 # SDPA): 128 tokens 85.9 / 96.9, 256: 173.0 / 181.1, 512: 407.8 / 419.3, 1024: 1055.5 / 860.1.
 PROMPT_CONTEXT_MAX = 512
 
 
-class CpuDecode:
-    """The C step over a model's weights in tiles: the tiles a GGUF model's quantized
-    linears already keep (`TiledLinear`), or tiled copies of dense ones.
+class CpuStep:
+    """Whole CPU steps in C over a model's weights in tiles: decode steps in one call
+    (`run`), the attention of the steps the torch forward runs (`attention`) and the logits
+    (`compute_logits`). The tiles are those a GGUF model's quantized linears already keep
+    (`TiledLinear`), or tiled copies of dense ones.
 
     Built after loading and before `pack_linears` drops the dense weights; `bind` points it
     at the KV cache (again after a sleep).
@@ -238,12 +243,12 @@ class CpuDecode:
 
 
 class CAttention(QkvAttention):
-    """A step's attention in C, layer by layer (`CpuDecode.attention`): the layer's q/k norms,
+    """A step's attention in C, layer by layer (`CpuStep.attention`): the layer's q/k norms,
     rotary table and window, the model's scale and soft-cap, as in the C step."""
 
     def __init__(
         self,
-        decode: CpuDecode,
+        decode: CpuStep,
         rope_rows: np.ndarray,
         slots: np.ndarray,
         context_lens: np.ndarray,
@@ -286,15 +291,15 @@ class CAttention(QkvAttention):
         return out.to(qkv.dtype)
 
 
-def build_cpu_decode(
+def build_cpu_step(
     model: LlamaForCausalLM, config: WorkerConfig, block_size: int
-) -> tuple[CpuDecode | None, str]:
-    """The C decode step for `model`, or None, and the word for `KernelChoice.decode`: the
-    path this model's decode steps take, and why (what of the family C runs, or lacks)."""
+) -> tuple[CpuStep | None, str]:
+    """The C step for `model`, or None, and the word for `KernelChoice.decode`: the path
+    this model's decode steps take, and why (what of the family C runs, or lacks)."""
     if config.enforce_eager:
         return None, "torch (--enforce-eager)"
     try:
-        decode = CpuDecode(model, block_size, min(MAX_BATCH, config.max_num_seqs))
+        decode = CpuStep(model, block_size, min(MAX_BATCH, config.max_num_seqs))
     except (CpuDecodeUnsupported, _native.NativeBuildError) as e:
         return None, f"torch ({e})"
     ops = decode.operations()

@@ -1,17 +1,15 @@
 """The model runner: turns a `StepBatch` into one forward pass and sampled tokens.
 
 Per step: forget finished requests, add new ones, append new blocks, flatten the scheduled
-tokens (`InputBatch.prepare`, vectorised), build the attention metadata once, run the model
-over the mixed batch, compute logits only for the rows that reach their sequence's end (and
-for prompt positions of `echo` requests), sample, and append the sampled tokens to the
-persistent rows.
+tokens (`InputBatch.prepare`, vectorised), arm the fault hook, run the forward over the mixed
+batch by the one path `choose_path` picks (`_forward`: a CUDA-graph replay, the C step, C's
+attention in the torch forward, or the torch forward with its attention metadata), compute
+logits only for the rows that reach their sequence's end (and for prompt positions of `echo`
+requests), sample, and append the sampled tokens to the persistent rows.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import gc
 from collections.abc import Callable
 
 import msgspec
@@ -22,9 +20,10 @@ from ..config import WorkerConfig
 from ..wire import KernelChoice
 from ._attention import AttentionBackend, QkvAttention, StepAttention, TorchAttention
 from ._config import quantization_for, torch_dtype
-from ._cpu_decode import CpuDecode, build_cpu_decode
+from ._cpu_decode import CpuStep, build_cpu_step
 from ._cpu_linear import CpuFeatures
 from ._cuda_graphs import DecodeGraphs
+from ._forward import FaultHook, Path, choose_path
 from ._grammar_mask import apply_grammar_bitmask, step_bitmask
 from ._input_batch import InputBatch, StepInputs
 from ._kernels import choose_kernels
@@ -32,7 +31,7 @@ from ._model_config import ModelConfig
 from ._parallel import TensorParallel
 from ._sampler import Sampler, SamplerOutput, compute_logprobs
 from ._sampling_batch import RequestSamplingState, SamplingBatch
-from ._step_batch import NewRequest, PromptLogprobs, RunnerOutput, StepBatch
+from ._step_batch import PromptLogprobs, RunnerOutput, StepBatch
 from ._weights import Weights
 from .models import family_for
 from .models.llama import KVCache, LlamaForCausalLM
@@ -64,16 +63,11 @@ class ModelRunner:
         self.kv_caches: list[KVCache] = []
         self.attention: AttentionBackend | None = None  # made by init_kv_cache
         self.graphs: DecodeGraphs | None = None  # made by capture_cuda_graphs
-        self.cpu_decode: CpuDecode | None = None  # made by load_model on CPU
+        self.cpu_step: CpuStep | None = None  # made by load_model on CPU
         self.model: LlamaForCausalLM | None = None
         self.kernels: KernelChoice | None = None  # chosen by load_model
         self._cpu_features = cpu_features
-        kind, rank, at = config.fault_at() or ("", -1, -1)
-        self._fault_step = at if rank == tp.rank and kind == "forward" else -1
-        self._fault_token = at if rank == tp.rank and kind == "token" else -1
-        self._num_steps = 0
-        self._asleep_blocks: int | None = None  # the KV cache's size while asleep
-        self._weights_offloaded = False  # sleep level 2 on CUDA: the weights are on the host
+        self.faults = FaultHook(config, tp.rank)
         eos = model_config.eos_token_ids
         self.eos_token_id = eos[0] if eos else None
 
@@ -102,7 +96,7 @@ class ModelRunner:
         else:
             model.load_weights(weights, keep_quantized=self.kernels.quantization == "gguf")
         if self.device.type == "cpu":  # before packing: it tiles the dense weights
-            self.cpu_decode, decode = build_cpu_decode(model, self.config, self.block_size)
+            self.cpu_step, decode = build_cpu_step(model, self.config, self.block_size)
             self.kernels = msgspec.structs.replace(self.kernels, decode=decode)
         if self.kernels.linear == "onednn":
             model.pack_linears()
@@ -122,43 +116,31 @@ class ModelRunner:
         shape = (num_blocks, self.block_size, heads, cfg.head_dim)
         if self.attention is None:
             self.attention = self._attention_backend(heads)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(cfg.num_layers)
-        ]
-        if self.cpu_decode is not None:
-            self.cpu_decode.bind(self.kv_caches)
+        self.bind_kv_cache(
+            [
+                (
+                    torch.zeros(shape, dtype=self.dtype, device=self.device),
+                    torch.zeros(shape, dtype=self.dtype, device=self.device),
+                )
+                for _ in range(cfg.num_layers)
+            ]
+        )
 
-    # -- sleep mode ------------------------------------------------------------------------
+    def bind_kv_cache(self, kv_caches: list[KVCache]) -> None:
+        """Make `kv_caches` the cache the steps run over (the C step's too; [] unbinds it)."""
+        self.kv_caches = kv_caches
+        if self.cpu_step is not None and kv_caches:
+            self.cpu_step.bind(kv_caches)
+        elif self.cpu_step is not None:
+            self.cpu_step.unbind()
 
-    def sleep(self, level: int) -> None:
-        """Drop the KV cache and the graphs over it, and return the memory (level 2 on CUDA:
-        the weights move to host memory too). Remembers the size for `wake_up`."""
-        if not self.kv_caches:
-            raise RuntimeError("sleep() without a KV cache (asleep already, or not started)")
-        self._asleep_blocks = int(self.kv_caches[0][0].shape[0])
-        self.graphs = None  # they hold the cache's (and the weights') addresses
-        if self.cpu_decode is not None:
-            self.cpu_decode.unbind()  # so does the C step
-        self.kv_caches = []
-        if level >= 2 and self.device.type == "cuda" and self.model is not None:
-            self.model.to("cpu")
-            self._weights_offloaded = True
-        release_memory(self.device)
-
-    def wake_up(self) -> int:
-        """Bring the weights back (after level 2); return the KV cache's size in blocks, which
-        the caller allocates again (`Worker.init_kv_cache`)."""
-        if self._asleep_blocks is None:
-            raise RuntimeError("wake_up() without sleep()")
-        if self._weights_offloaded and self.model is not None:
-            self.model.to(self.device)
-            self._weights_offloaded = False
-        blocks, self._asleep_blocks = self._asleep_blocks, None
-        return blocks
+    def free_kv_cache(self) -> int:
+        """Drop the KV cache and the graphs over it (they hold its addresses, and the
+        weights'); return its size in blocks (0: there was none), for `Worker.wake_up`."""
+        num_blocks = int(self.kv_caches[0][0].shape[0]) if self.kv_caches else 0
+        self.graphs = None
+        self.bind_kv_cache([])
+        return num_blocks
 
     def _attention_backend(self, kv_heads: int) -> AttentionBackend:
         cfg = self.model_config
@@ -198,43 +180,6 @@ class ModelRunner:
         self.graphs = graphs
         return report.describe()
 
-    def profile_run(self) -> None:
-        """One forward of a full token budget, so peak activation memory can be measured.
-
-        Uses a throw-away KV cache just large enough, and leaves no request behind.
-        """
-        total = self.config.max_num_batched_tokens
-        seq_len = min(total, self.max_model_len - 1)  # room for the sampled token
-        num_seqs = min(self.config.max_num_seqs, -(-total // seq_len))
-        blocks_per_seq = -(-seq_len // self.block_size)
-        saved, self.kv_caches = self.kv_caches, []
-        self.init_kv_cache(num_seqs * blocks_per_seq)
-        requests = [
-            NewRequest(
-                rnum=2**63 + i,
-                prompt_token_ids=[0] * seq_len,
-                block_ids=list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
-                num_computed_tokens=0,
-            )
-            for i in range(num_seqs)
-        ]
-        rnums = np.array([r.rnum for r in requests], np.uint64)
-        batch = StepBatch(
-            0,
-            new_requests=requests,
-            scheduled_rnums=rnums,
-            num_scheduled_tokens=np.full(num_seqs, seq_len, np.int32),
-        )
-        try:
-            self.execute(batch)
-        finally:
-            for rnum in rnums.tolist():
-                self.inputs.remove(rnum)
-                self.sampling.pop(rnum, None)
-            self.kv_caches = saved
-            if self.cpu_decode is not None:  # it was bound to the throw-away cache
-                self.cpu_decode.bind(saved) if saved else self.cpu_decode.unbind()
-
     # -- one step ---------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -249,15 +194,15 @@ class ModelRunner:
         if self.model is None or not self.kv_caches:
             raise RuntimeError("execute() before load_model() and init_kv_cache()")
         self._update_requests(batch)
-        self._num_steps += 1
-        if self._fault_step == self._num_steps - 1:
-            self.model.fail_next_forward = True
-        if not len(batch.scheduled_rnums):
+        inputs = (
+            self.inputs.prepare(batch.scheduled_rnums, batch.num_scheduled_tokens)
+            if len(batch.scheduled_rnums)
+            else None
+        )
+        fault = self.faults.arm(self.model, inputs)
+        if inputs is None:
             return RunnerOutput(np.zeros(0, np.uint64), np.zeros(0, np.int32))
-        inputs = self.inputs.prepare(batch.scheduled_rnums, batch.num_scheduled_tokens)
-        if self._fault_token >= 0 and bool((inputs.input_ids == self._fault_token).any()):
-            self.model.fail_next_forward = True
-        hidden = self._forward(inputs)
+        hidden = self._forward(choose_path(inputs, self.graphs, self.cpu_step, fault=fault), inputs)
         prompt_logprobs = self._prompt_logprobs(batch, inputs, hidden)
         self.inputs.advance(inputs)
         sampling = np.flatnonzero(inputs.samples)
@@ -265,7 +210,7 @@ class ModelRunner:
         if not len(sampling):
             return RunnerOutput(rnums, np.zeros(0, np.int32), prompt_logprobs=prompt_logprobs)
         last = inputs.token_starts[sampling] + inputs.counts[sampling] - 1
-        logits = (self.cpu_decode or self.model).compute_logits(hidden[self._tensor(last)])
+        logits = (self.cpu_step or self.model).compute_logits(hidden[self._tensor(last)])
         if len(batch.grammar_rnums):
             bitmask = step_bitmask(batch, masks)
             apply_grammar_bitmask(logits, rnums, batch.grammar_rnums, bitmask)
@@ -273,54 +218,47 @@ class ModelRunner:
         sampled = self.sampler(logits, self._sampling_batch(states))
         return self._finish(inputs, sampling, rnums, states, sampled, prompt_logprobs)
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states of the step's tokens: a graph replay (CUDA) or one C call (CPU, up to
-        64) for decodes, else eager (on CPU with C's attention, unless a prompt is long)."""
+    def _forward(self, path: Path, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states of the step's tokens, by `path` (`choose_path`)."""
         assert self.model is not None
-        graphs = self.graphs
-        num_seqs = len(inputs.rows)
-        if (
-            graphs is not None
-            and not self.model.fail_next_forward  # the fault hook lives in the eager forward
-            and len(inputs.input_ids) == num_seqs  # one token each: decodes
-            and graphs.size_for(num_seqs) is not None
-        ):
-            width = int(-(-inputs.context_lens.max() // self.block_size))
-            positions = self.model.rotary.rope_positions(
-                inputs.positions, inputs.counts, inputs.context_lens
+        if path is Path.C_STEP:
+            assert self.cpu_step is not None
+            ids, table = self._tensor(inputs.input_ids), self._block_table(inputs)
+            return self.cpu_step.run(
+                ids, inputs.positions, inputs.slots, inputs.context_lens, table
             )
-            return graphs.run(
+        positions = self.model.rotary.rope_positions(
+            inputs.positions, inputs.counts, inputs.context_lens
+        )
+        if path is Path.GRAPH:
+            assert self.graphs is not None
+            return self.graphs.run(
                 self._tensor(inputs.input_ids),
                 self._tensor(positions),
                 self._tensor(inputs.slots),
                 self._tensor(inputs.context_lens.astype(np.int32)),
-                self._tensor(np.ascontiguousarray(self.inputs.block_table[inputs.rows, :width])),
+                self._tensor(self._block_table(inputs)),
             )
-        decode = self.cpu_decode
         meta: StepAttention | QkvAttention
-        if decode is not None and decode.attends(inputs.counts, inputs.context_lens):
-            width = int(-(-inputs.context_lens.max() // self.block_size))
-            table = np.ascontiguousarray(self.inputs.block_table[inputs.rows, :width])
-            decodes = len(inputs.input_ids) == num_seqs
-            if decodes and decode.covers(num_seqs) and not self.model.fail_next_forward:
-                ids = self._tensor(inputs.input_ids)
-                return decode.run(ids, inputs.positions, inputs.slots, inputs.context_lens, table)
-            # prompts, or more decodes than the C step takes: oneDNN's linears, C's attention
-            meta = decode.attention(inputs.positions, inputs.slots, inputs.counts, table)
+        if path is Path.C_ATTENTION:
+            assert self.cpu_step is not None
+            table = self._block_table(inputs)
+            meta = self.cpu_step.attention(inputs.positions, inputs.slots, inputs.counts, table)
         else:
             meta = self._attention_metadata(inputs)
-        positions = self.model.rotary.rope_positions(
-            inputs.positions, inputs.counts, inputs.context_lens
-        )
         hidden: torch.Tensor = self.model(
             self._tensor(inputs.input_ids), self._tensor(positions), self.kv_caches, meta
         )
         return hidden
 
-    def _update_requests(self, batch: StepBatch) -> None:
-        for rnum in batch.finished_rnums.tolist():
+    def remove_requests(self, rnums: np.ndarray) -> None:
+        """Forget the requests `rnums` (their rows and sampling state); unknown ones too."""
+        for rnum in rnums.tolist():
             self.inputs.remove(rnum)
             self.sampling.pop(rnum, None)
+
+    def _update_requests(self, batch: StepBatch) -> None:
+        self.remove_requests(batch.finished_rnums)
         for request in batch.new_requests:
             self.inputs.add(request)
             state = RequestSamplingState(
@@ -383,6 +321,11 @@ class ModelRunner:
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
+    def _block_table(self, inputs: StepInputs) -> np.ndarray:
+        """The step's block table [B, width] (C order), as wide as its longest context."""
+        width = int(-(-inputs.context_lens.max() // self.block_size))
+        return np.ascontiguousarray(self.inputs.block_table[inputs.rows, :width])
+
     def _attention_metadata(self, inputs: StepInputs) -> StepAttention:
         assert self.attention is not None
         width = int(-(-inputs.context_lens.max() // self.block_size))
@@ -413,21 +356,6 @@ class ModelRunner:
                 start + 1, logprobs.cpu().numpy(), _numpy(topk_ids), _numpy(topk_logprobs)
             )
         return result
-
-
-def release_memory(device: torch.device) -> None:
-    """Give freed tensor memory back: CUDA's caching allocator to the driver; on CPU,
-    glibc's free pages to the kernel (`malloc_trim`: freed chunks below the mmap threshold
-    stay in the heap, counted in RSS, until trimmed)."""
-    gc.collect()  # a cycle may still hold a tensor
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        return
-    name = ctypes.util.find_library("c")
-    if name is not None:
-        libc = ctypes.CDLL(name)
-        if hasattr(libc, "malloc_trim"):  # glibc only
-            libc.malloc_trim(0)
 
 
 def _numpy(tensor: torch.Tensor | None) -> np.ndarray | None:

@@ -3,12 +3,16 @@
 Start-up order (DESIGN.md §7): device and ``torch.distributed`` first, then a memory snapshot,
 then the model, so whatever the collectives allocate is already counted when the KV cache is
 sized. The executor calls, in order: `init_device`, `load_model`, `num_available_kv_blocks`
-(the minimum over ranks is used), `init_kv_cache`, then `execute` once per step.
+(the minimum over ranks is used), `init_kv_cache`, then `execute` once per step; `sleep` and
+`wake_up` between steps.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import datetime
+import gc
 import sys
 from collections.abc import Callable
 
@@ -21,7 +25,7 @@ from ..wire import KernelChoice
 from ._config import torch_device
 from ._model_runner import ModelRunner
 from ._parallel import TensorParallel
-from ._step_batch import RunnerOutput, StepBatch
+from ._step_batch import NewRequest, RunnerOutput, StepBatch
 from ._weights import open_model
 
 
@@ -53,6 +57,8 @@ class Worker:
         self.tp = TensorParallel()
         self.free_memory_at_start = 0
         self._runner: ModelRunner | None = None
+        self._asleep_blocks: int | None = None  # the KV cache's size while asleep
+        self._weights_offloaded = False  # sleep level 2 on CUDA: the weights are on the host
 
     @property
     def runner(self) -> ModelRunner:
@@ -105,7 +111,7 @@ class Worker:
         per_block = self.runner.kv_bytes_per_block()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-            self.runner.profile_run()
+            self.profile_run()
             total = torch.cuda.mem_get_info(self.device)[1]
             used_outside = total - self.free_memory_at_start  # other processes, before us
             budget = int(total * self.config.gpu_memory_utilization) - used_outside
@@ -122,6 +128,25 @@ class Worker:
             )
         return int(blocks)
 
+    def profile_run(self) -> None:
+        """One forward of a full token budget, so peak activation memory can be measured.
+
+        Uses a throw-away KV cache just large enough, and leaves no request behind.
+        """
+        runner, config = self.runner, self.config
+        total = config.max_num_batched_tokens
+        seq_len = min(total, runner.max_model_len - 1)  # room for the sampled token
+        num_seqs = min(config.max_num_seqs, -(-total // seq_len))
+        blocks_per_seq = -(-seq_len // config.block_size)
+        saved = runner.kv_caches
+        runner.init_kv_cache(num_seqs * blocks_per_seq)
+        batch = _profile_batch(num_seqs, seq_len, blocks_per_seq)
+        try:
+            runner.execute(batch)
+        finally:
+            runner.remove_requests(batch.scheduled_rnums)
+            runner.bind_kv_cache(saved)
+
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache, then capture the decode CUDA graphs over it (on CUDA)."""
         self.runner.init_kv_cache(num_blocks)
@@ -137,15 +162,65 @@ class Worker:
 
     def sleep(self, level: int) -> None:
         """Free the KV cache (and its CUDA graphs); level 2 also moves the weights to host
-        memory (on CPU they are there already, so level 2 is level 1)."""
-        self.runner.sleep(level)
+        memory (on CPU they are there already, so level 2 is level 1). Remembers the cache's
+        size for `wake_up`."""
+        runner = self.runner
+        if not runner.kv_caches:
+            raise RuntimeError("sleep() without a KV cache (asleep already, or not started)")
+        self._asleep_blocks = runner.free_kv_cache()
+        if level >= 2 and self.device.type == "cuda" and runner.model is not None:
+            runner.model.to("cpu")
+            self._weights_offloaded = True
+        release_memory(self.device)
 
     def wake_up(self) -> None:
         """The weights back on the device, a zeroed KV cache of the old size, the graphs
         captured again (on CUDA: they point at the old cache)."""
-        self.init_kv_cache(self.runner.wake_up())
+        if self._asleep_blocks is None:
+            raise RuntimeError("wake_up() without sleep()")
+        model = self.runner.model
+        if self._weights_offloaded and model is not None:
+            model.to(self.device)
+            self._weights_offloaded = False
+        blocks, self._asleep_blocks = self._asleep_blocks, None
+        self.init_kv_cache(blocks)
 
     def shutdown(self) -> None:
         """Leave the process group (idempotent)."""
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _profile_batch(num_seqs: int, seq_len: int, blocks_per_seq: int) -> StepBatch:
+    """A first step of `num_seqs` prompts of `seq_len` tokens, under request numbers no
+    engine hands out (from 2**63)."""
+    requests = [
+        NewRequest(
+            rnum=2**63 + i,
+            prompt_token_ids=[0] * seq_len,
+            block_ids=list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
+            num_computed_tokens=0,
+        )
+        for i in range(num_seqs)
+    ]
+    return StepBatch(
+        0,
+        new_requests=requests,
+        scheduled_rnums=np.array([r.rnum for r in requests], np.uint64),
+        num_scheduled_tokens=np.full(num_seqs, seq_len, np.int32),
+    )
+
+
+def release_memory(device: torch.device) -> None:
+    """Give freed tensor memory back: CUDA's caching allocator to the driver; on CPU,
+    glibc's free pages to the kernel (`malloc_trim`: freed chunks below the mmap threshold
+    stay in the heap, counted in RSS, until trimmed)."""
+    gc.collect()  # a cycle may still hold a tensor
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    name = ctypes.util.find_library("c")
+    if name is not None:
+        libc = ctypes.CDLL(name)
+        if hasattr(libc, "malloc_trim"):  # glibc only
+            libc.malloc_trim(0)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from trillm.default_model import default_model_dir
-from trillm.gpu import SamplingOptions, _cpu_decode, _native
+from trillm.gpu import SamplingOptions, Worker, WorkerConfig, _cpu_decode, _native
 from trillm.gpu._gguf_blocks import Q4_0, Q4_1, Q8_0
 from trillm.gpu._tiles import quantized_tiles, tile, tiled_kernels
 
@@ -69,9 +69,9 @@ def test_c_step_gives_the_torch_tokens(tiny_model_dir: Path, num_requests: int) 
     prompts = _prompts(num_requests)
     eager, eager_tokens, eager_lp = _run(tiny_model_dir, prompts, 12, enforce_eager=True)
     fused, tokens, lp = _run(tiny_model_dir, prompts, 12)
-    assert eager.cpu_decode is None and "torch (--enforce-eager)" in eager.kernels.decode
-    assert fused.cpu_decode is not None and fused.kernels.decode.startswith("c (")
-    assert fused.cpu_decode.num_runs >= 11  # every decode step
+    assert eager.cpu_step is None and "torch (--enforce-eager)" in eager.kernels.decode
+    assert fused.cpu_step is not None and fused.kernels.decode.startswith("c (")
+    assert fused.cpu_step.num_runs >= 11  # every decode step
     assert tokens == eager_tokens
     for a, b in zip(lp, eager_lp, strict=True):
         np.testing.assert_allclose(a, b, atol=2e-4)
@@ -83,7 +83,7 @@ def test_bfloat16_is_close(tiny_model_dir: Path) -> None:
         tiny_model_dir, prompts, 8, dtype="bfloat16", enforce_eager=True
     )
     fused, tokens, lp = _run(tiny_model_dir, prompts, 8, dtype="bfloat16")
-    assert fused.cpu_decode is not None and fused.cpu_decode.num_runs >= 7
+    assert fused.cpu_step is not None and fused.cpu_step.num_runs >= 7
     _assert_bfloat16_close(tokens, eager_tokens, lp, eager_lp)
 
 
@@ -108,9 +108,9 @@ def test_prompt_chunks_and_mixed_steps_attend_in_c(
     kw = {"chunk": 16, "stagger": 2, "dtype": dtype, "block_size": block_size}
     runner, tokens, lp = _run(tiny_model_dir, prompts, 6, **kw)
     _, eager_tokens, eager_lp = _run(tiny_model_dir, prompts, 6, enforce_eager=True, **kw)
-    assert runner.cpu_decode is not None
-    assert runner.cpu_decode.num_attention_steps >= 8  # every step with a prompt's chunk
-    assert runner.cpu_decode.num_runs >= 3  # the decode-only steps at the end
+    assert runner.cpu_step is not None
+    assert runner.cpu_step.num_attention_steps >= 8  # every step with a prompt's chunk
+    assert runner.cpu_step.num_runs >= 3  # the decode-only steps at the end
     if dtype == "bfloat16":  # the prompts' tokens: later ones may part at a near tie (above)
         assert [t[0] for t in tokens] == [t[0] for t in eager_tokens]
         for a, b in zip(lp, eager_lp, strict=True):
@@ -129,11 +129,11 @@ def test_a_prompt_past_the_c_context_bound_attends_in_torch(
     monkeypatch.setattr(_cpu_decode, "PROMPT_CONTEXT_MAX", 20)
     prompts = [list(range(300, 340)), list(range(400, 409))]
     runner, tokens, lp = _run(tiny_model_dir, prompts, 4)
-    assert runner.cpu_decode is not None
-    assert runner.cpu_decode.num_attention_steps == 0 and runner.cpu_decode.num_runs == 3
+    assert runner.cpu_step is not None
+    assert runner.cpu_step.num_attention_steps == 0 and runner.cpu_step.num_runs == 3
     runner, chunked, _ = _run(tiny_model_dir, prompts, 4, chunk=16)
-    assert runner.cpu_decode is not None
-    assert runner.cpu_decode.num_attention_steps == 1  # the first chunks: contexts 16 and 9
+    assert runner.cpu_step is not None
+    assert runner.cpu_step.num_attention_steps == 1  # the first chunks: contexts 16 and 9
     _, eager_tokens, eager_lp = _run(tiny_model_dir, prompts, 4, enforce_eager=True)
     assert tokens == chunked == eager_tokens
     for a, b in zip(lp, eager_lp, strict=True):
@@ -146,15 +146,15 @@ def test_more_decodes_than_max_batch_run_onednn_linears_with_c_attention(
     monkeypatch.setattr(_cpu_decode, "MAX_BATCH", 8)
     prompts = _prompts(10)
     runner, tokens, lp = _run(tiny_model_dir, prompts, 6)
-    assert runner.cpu_decode is not None and runner.cpu_decode.max_batch == 8
-    assert runner.cpu_decode.num_runs == 0  # 10 decodes each step: above 8
-    assert runner.cpu_decode.num_attention_steps == 6  # the prompts' step, every decode step
+    assert runner.cpu_step is not None and runner.cpu_step.max_batch == 8
+    assert runner.cpu_step.num_runs == 0  # 10 decodes each step: above 8
+    assert runner.cpu_step.num_attention_steps == 6  # the prompts' step, every decode step
     _, eager_tokens, eager_lp = _run(tiny_model_dir, prompts, 6, enforce_eager=True)
     assert tokens == eager_tokens
     for a, b in zip(lp, eager_lp, strict=True):
         np.testing.assert_allclose(a, b, atol=2e-4)
     runner, tokens, lp = _run(tiny_model_dir, prompts, 6, dtype="bfloat16")  # a bfloat16 cache
-    assert runner.cpu_decode is not None and runner.cpu_decode.num_attention_steps == 6
+    assert runner.cpu_step is not None and runner.cpu_step.num_attention_steps == 6
     eager = _run(tiny_model_dir, prompts, 6, dtype="bfloat16", enforce_eager=True)
     _assert_bfloat16_close(tokens, eager[1], lp, eager[2])
 
@@ -162,12 +162,19 @@ def test_more_decodes_than_max_batch_run_onednn_linears_with_c_attention(
 def test_sleep_and_wake_rebind_the_cache(tiny_model_dir: Path) -> None:
     prompts = _prompts(3)
     _, before, _ = _run(tiny_model_dir, prompts, 6)
-    runner = make_runner(tiny_model_dir, max_num_seqs=12)
-    Driver(runner, 64).run([DriverRequest(0, prompts[0], 3)])
-    runner.sleep(1)
-    runner.init_kv_cache(runner.wake_up())
+    config = WorkerConfig(
+        str(tiny_model_dir), device="cpu", dtype="float32", block_size=8, max_num_seqs=12
+    )
+    worker = Worker(config)
+    worker.init_device()
+    worker.load_model()
+    worker.init_kv_cache(64)
+    Driver(worker.runner, 64).run([DriverRequest(0, prompts[0], 3)])
+    worker.sleep(1)
+    assert worker.runner.cpu_step is not None and not worker.runner.cpu_step.bound
+    worker.wake_up()
     requests = [DriverRequest(10 + i, p, 6, LOGPROBS) for i, p in enumerate(prompts)]
-    Driver(runner, 64).run(requests)
+    Driver(worker.runner, 64).run(requests)
     assert [r.output for r in requests] == before
 
 
@@ -198,7 +205,7 @@ def test_default_model_greedy_tokens_match_torch() -> None:
     prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 30, 2], [1] * 40]
     _, eager, eager_lp = _run(model_dir, prompts, 16, enforce_eager=True, block_size=16)
     runner, tokens, lp = _run(model_dir, prompts, 16, block_size=16)
-    assert runner.cpu_decode is not None and runner.cpu_decode.num_runs >= 15
+    assert runner.cpu_step is not None and runner.cpu_step.num_runs >= 15
     assert tokens == eager
     for a, b in zip(lp, eager_lp, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-3)
@@ -221,7 +228,7 @@ def test_quantized_tiles_follow_the_dequantized_model(tiny_gguf: Path) -> None:
         tiny_gguf, prompts, 10, quantization="none", enforce_eager=True
     )
     kept, tokens, lp = _run(tiny_gguf, prompts, 10, quantization="gguf")
-    assert kept.cpu_decode is not None and kept.cpu_decode.num_runs == 10
+    assert kept.cpu_step is not None and kept.cpu_step.num_runs == 10
     assert "float32/q4 layers, q8 head" in kept.kernels.decode  # layer 1's q/k/v is dense
     assert tokens == dense_tokens
     for a, b in zip(lp, dense_lp, strict=True):
@@ -234,7 +241,7 @@ def test_quantized_c_step_continues_the_tiled_prefill(tiny_gguf: Path) -> None:
     prompts = _prompts(5)
     _, eager_tokens, eager_lp = _run(tiny_gguf, prompts, 8, quantization="gguf", enforce_eager=True)
     kept, tokens, lp = _run(tiny_gguf, prompts, 8, quantization="gguf")
-    assert kept.cpu_decode is not None and kept.cpu_decode.num_runs >= 7
+    assert kept.cpu_step is not None and kept.cpu_step.num_runs >= 7
     assert tokens == eager_tokens
     for a, b in zip(lp, eager_lp, strict=True):
         np.testing.assert_allclose(a, b, atol=2e-4)
@@ -284,7 +291,7 @@ for eager in (True, False):
     requests = [DriverRequest(i, list(range(50 + i, 60 + 3 * i)), 8) for i in range(3)]
     Driver(runner, 64).run(requests)
     outputs.append([r.output for r in requests])
-assert runner.cpu_decode is not None and runner.cpu_decode.num_runs >= 7
+assert runner.cpu_step is not None and runner.cpu_step.num_runs >= 7
 assert outputs[0] == outputs[1], outputs
 print("ok")
 """
@@ -325,10 +332,10 @@ def test_a_head_dim_off_the_vector_width_takes_the_per_head_path(
     runner, tokens, _ = _run(tmp_path, prompts, 5)
     assert runner.model_config.head_dim == 12
     # the prompts' step and every decode step (10 decodes, above 8)
-    assert runner.cpu_decode is not None and runner.cpu_decode.num_attention_steps == 5
+    assert runner.cpu_step is not None and runner.cpu_step.num_attention_steps == 5
     _, eager_tokens, eager_lp = _run(tmp_path, prompts[:3], 5, enforce_eager=True)
     fused, small, small_lp = _run(tmp_path, prompts[:3], 5)
-    assert fused.cpu_decode is not None and fused.cpu_decode.num_runs == 4
+    assert fused.cpu_step is not None and fused.cpu_step.num_runs == 4
     assert small == eager_tokens
     for a, b in zip(small_lp, eager_lp, strict=True):
         np.testing.assert_allclose(a, b, atol=2e-4)

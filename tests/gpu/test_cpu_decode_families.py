@@ -32,7 +32,7 @@ from trillm.gpu import (
     _native,
     open_model,
 )
-from trillm.gpu._cpu_decode import build_cpu_decode
+from trillm.gpu._cpu_decode import build_cpu_step
 from trillm.gpu._gguf_blocks import BLOCK_BYTES, QuantizedTensor
 from trillm.gpu._tiles import Q4, Q8, tiled_kernels
 from trillm.gpu.models import family_for
@@ -92,8 +92,8 @@ def _reference(model_dir: Path) -> transformers.PreTrainedModel:
 def test_the_c_step_gives_the_torch_paths_tokens_and_logprobs(family_dir: Path) -> None:
     eager, eager_tokens, eager_lp = _run(family_dir, PROMPTS, enforce_eager=True)
     fused, tokens, lp = _run(family_dir, PROMPTS)
-    assert eager.cpu_decode is None
-    decode = fused.cpu_decode
+    assert eager.cpu_step is None
+    decode = fused.cpu_step
     assert decode is not None and fused.kernels is not None
     assert fused.kernels.decode.startswith("c ("), fused.kernels.decode
     assert f"{fused.model_config.model_type}'s " in fused.kernels.decode  # what C runs of it
@@ -126,7 +126,7 @@ def test_a_sliding_layer_never_reads_the_keys_before_its_window(tmp_path: Path) 
                 v.view(-1, *v.shape[2:])[slots] = float("nan")
         request.max_tokens = MAX_TOKENS
         driver.run([request])
-        assert runner.cpu_decode is not None and runner.cpu_decode.num_runs == MAX_TOKENS - 1
+        assert runner.cpu_step is not None and runner.cpu_step.num_runs == MAX_TOKENS - 1
         outputs.append((request.output, np.concatenate([o.logprobs for o in request.outputs])))
     (clean, clean_lp), (poisoned, poisoned_lp) = outputs
     assert poisoned == clean
@@ -145,7 +145,7 @@ def test_longrope_switches_to_its_long_factors_as_the_context_passes_the_origina
     prompts = [list(range(100, 350)), list(range(500, 520))]  # 250 tokens: 256 at its 7th
     _, eager_tokens, eager_lp = _run(model_dir, prompts, 12, enforce_eager=True)
     fused, tokens, lp = _run(model_dir, prompts, 12)
-    assert fused.cpu_decode is not None and fused.cpu_decode.num_runs >= 10
+    assert fused.cpu_step is not None and fused.cpu_step.num_runs >= 10
     assert tokens == eager_tokens
     _assert_same(lp, eager_lp)
     hf = _reference(model_dir)
@@ -164,7 +164,7 @@ def test_bfloat16_is_close(tmp_path: Path) -> None:
     model_dir = families.save("gemma3_text", tmp_path, final_logit_softcapping=None)
     _, eager_tokens, eager_lp = _run(model_dir, PROMPTS, dtype="bfloat16", enforce_eager=True)
     fused, tokens, lp = _run(model_dir, PROMPTS, dtype="bfloat16")
-    assert fused.cpu_decode is not None and fused.cpu_decode.num_runs >= MAX_TOKENS - 4
+    assert fused.cpu_step is not None and fused.cpu_step.num_runs >= MAX_TOKENS - 4
     assert fused.kernels is not None and "bfloat16 layers" in fused.kernels.decode
     for got, want, got_lp, want_lp in zip(tokens, eager_tokens, lp, eager_lp, strict=True):
         same = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(got))
@@ -180,7 +180,7 @@ def test_a_head_dim_off_the_vector_width_windows_and_caps_each_head_alone(tmp_pa
     _, eager_tokens, eager_lp = _run(model_dir, PROMPTS, enforce_eager=True)
     fused, tokens, lp = _run(model_dir, PROMPTS)
     assert fused.model_config.head_dim == 12
-    assert fused.cpu_decode is not None and fused.cpu_decode.num_runs >= MAX_TOKENS - 4
+    assert fused.cpu_step is not None and fused.cpu_step.num_runs >= MAX_TOKENS - 4
     assert tokens == eager_tokens
     _assert_same(lp, eager_lp)
 
@@ -204,7 +204,7 @@ for family in ("gemma2", "qwen3_moe"):
         Driver(runner, 64).run(requests)
         lp = [np.concatenate([o.logprobs for o in r.outputs]) for r in requests]
         runs.append(([r.output for r in requests], lp))
-    assert runner.cpu_decode is not None and runner.cpu_decode.num_runs == 5, family
+    assert runner.cpu_step is not None and runner.cpu_step.num_runs == 5, family
     assert runs[0][0] == runs[1][0], (family, runs)
     for a, b in zip(runs[0][1], runs[1][1], strict=True):
         np.testing.assert_allclose(a, b, atol=1e-4)
@@ -269,7 +269,7 @@ def test_gguf_experts_run_from_their_own_tiles(qtype: Q, tmp_path: Path) -> None
     model_dir = families.save("qwen3_moe", tmp_path)
     eager = _quantized_runner(model_dir, qtype, enforce_eager=True)
     fused = _quantized_runner(model_dir, qtype, enforce_eager=False)
-    decode = fused.cpu_decode
+    decode = fused.cpu_step
     assert decode is not None
     experts = next(w.experts for w in decode.layers if w.experts is not None)
     assert experts.gate_up[0].kind == (Q8 if qtype == Q.Q8_0 else Q4) and not experts.interleaved
@@ -288,13 +288,13 @@ def test_without_a_compiler_every_family_takes_the_torch_path(
     model_dir = families.save("gemma2", tmp_path / "gemma2")
     config = WorkerConfig(str(model_dir), device="cpu")
     if tiled_kernels() is not None:
-        decode, word = build_cpu_decode(_fresh_model(model_dir), config, 8)
+        decode, word = build_cpu_step(_fresh_model(model_dir), config, 8)
         assert decode is not None and word.startswith("c ("), word
     monkeypatch.setenv("TRILLM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", "no-such-cc")
     _native.load.cache_clear()
     try:
-        decode, word = build_cpu_decode(_fresh_model(model_dir), config, 8)
+        decode, word = build_cpu_step(_fresh_model(model_dir), config, 8)
     finally:
         _native.load.cache_clear()
     assert decode is None

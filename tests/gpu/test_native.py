@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from trillm.gpu import WorkerConfig, _native
-from trillm.gpu._cpu_decode import build_cpu_decode
+from trillm.gpu._cpu_decode import build_cpu_step
 from trillm.gpu.models.llama import LlamaForCausalLM
 
 from .conftest import make_runner
@@ -33,7 +33,7 @@ def test_no_compiler_falls_back_to_torch(
         assert runner.model is not None
         # built from a fresh model: its dense weights are packed away in `runner`
         config = WorkerConfig(str(tiny_model_dir), device="cpu")
-        decode, word = build_cpu_decode(_fresh_model(tiny_model_dir), config, 8)
+        decode, word = build_cpu_step(_fresh_model(tiny_model_dir), config, 8)
         assert decode is None
         assert word.startswith("torch (no C compiler 'no-such-cc'") and "install gcc" in word
     finally:

@@ -26,8 +26,23 @@ def test_kv_blocks_follow_the_cpu_budget(tiny_model_dir: Path) -> None:
     per_block = worker.runner.kv_bytes_per_block()
     assert per_block == 2 * 2 * 16 * 2 * 16 * 4  # K+V, layers, block, kv heads, head_dim, f32
     assert worker.num_available_kv_blocks() == (1 << 20) // per_block
-    worker.runner.profile_run()  # leaves nothing behind
-    assert not worker.runner.inputs.row_of
+    worker.profile_run()  # leaves nothing behind
+    assert not worker.runner.inputs.row_of and not worker.runner.kv_caches
+
+
+def test_sleep_frees_the_kv_cache_and_wake_up_brings_back_its_size(tiny_model_dir: Path) -> None:
+    worker = Worker(WorkerConfig(str(tiny_model_dir), device="cpu", kv_cache_bytes=1 << 20))
+    worker.init_device()
+    worker.load_model()
+    with pytest.raises(RuntimeError, match=r"^wake_up\(\) without sleep\(\)$"):
+        worker.wake_up()
+    worker.init_kv_cache(5)
+    worker.sleep(2)  # level 2 on CPU is level 1: the weights stay
+    assert worker.runner.kv_caches == []
+    with pytest.raises(RuntimeError, match=r"^sleep\(\) without a KV cache \(asleep already"):
+        worker.sleep(1)
+    worker.wake_up()
+    assert [k.shape[0] for k, _ in worker.runner.kv_caches] == [5, 5]
 
 
 def test_a_kv_budget_below_one_block_says_what_to_change(tiny_model_dir: Path) -> None:
