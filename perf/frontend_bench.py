@@ -94,15 +94,17 @@ async def run_frontend(
     async with trio.open_nursery() as nursery:
         for rnum in range(1, batch + 1):
             mailbox = Mailbox()
-            processor.states[rnum] = RequestState(
-                rnum=rnum,
-                index=0,
-                mailbox=mailbox,
-                detokenizer=IncrementalDetokenizer(tokenizer, [1, 2, 3]),  # type: ignore[arg-type]
-                stop=StopChecker(["\nUser:"]),
-                num_prompt_tokens=3,
-                logprobs=None,
-                arrival_time=time.monotonic(),
+            processor.add(
+                RequestState(
+                    rnum=rnum,
+                    index=0,
+                    mailbox=mailbox,
+                    detokenizer=IncrementalDetokenizer(tokenizer, [1, 2, 3]),  # type: ignore[arg-type]
+                    stop=StopChecker(["\nUser:"]),
+                    num_prompt_tokens=3,
+                    logprobs=None,
+                    arrival_time=time.monotonic(),
+                )
             )
             nursery.start_soon(consume, mailbox, rnum, encoder, sink)
         for step in range(steps + 1):

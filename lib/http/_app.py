@@ -23,18 +23,19 @@ import msgspec.structs
 import trio
 
 from .. import __version__
-from ..engine.client import (
-    AsyncLLM,
-    ChatTemplateError,
-    EngineDeadError,
-    EngineRestartingError,
-    PromptTooLongError,
-    RequestFailedError,
-    StructuredOutputError,
-)
+from ..engine.client import AsyncLLM, EngineDeadError
 from ._admission import Admission, Held
 from ._dev_endpoints import DevEndpoints
-from ._errors import RequestError, error_body, not_found, overloaded, too_large, unauthorized
+from ._errors import (
+    RequestError,
+    error_body,
+    http_error,
+    internal_error,
+    not_found,
+    overloaded,
+    too_large,
+    unauthorized,
+)
 from ._generate import Generation
 from ._metrics import Metrics
 from ._offload import default_threads
@@ -128,38 +129,15 @@ class App:
             await handler(scope, receive, send, extra)
         except ClientDisconnected:
             return
-        except RequestError as err:
+        except Exception as exc:
+            err = http_error(exc)
+            if err is None:
+                log.exception("internal error")
+                err = internal_error(exc)
             headers = [(k.encode(), v.encode()) for k, v in err.headers.items()]
             if err.status in (408, 431) and scope.get("http_version", "1.1").startswith("1"):
                 headers.append((b"connection", b"close"))  # HTTP/2 forbids the header
             await self._respond(send, err.status, error_body(err), extra + headers)
-        except EngineRestartingError as exc:  # waited past --engine-restart-wait
-            retry = [(b"retry-after", str(exc.retry_after).encode())]
-            await self._respond(
-                send, 503, error_body(RequestError(503, str(exc), "server_error")), extra + retry
-            )
-        except EngineDeadError as exc:  # the server cannot serve (it exits soon): 503
-            await self._respond(
-                send, 503, error_body(RequestError(503, str(exc), "server_error")), extra
-            )
-        except PromptTooLongError as exc:
-            await self._respond(
-                send, 400, error_body(RequestError(400, str(exc), param="max_tokens")), extra
-            )
-        except ChatTemplateError as exc:  # before any stream starts: the prompt is rendered first
-            await self._respond(
-                send, 400, error_body(RequestError(400, str(exc), param="messages")), extra
-            )
-        except StructuredOutputError as exc:
-            await self._respond(
-                send, 400, error_body(RequestError(400, str(exc), param=exc.field)), extra
-            )
-        except RequestFailedError as exc:  # the engine refused this request alone
-            await self._respond(send, 400, error_body(RequestError(400, str(exc))), extra)
-        except Exception as exc:
-            log.exception("internal error")
-            body = error_body(RequestError(500, f"internal error: {exc}", "server_error"))
-            await self._respond(send, 500, body, extra)
 
     def _check_header_size(self, scope: Scope) -> None:
         """431 for a header block over the limit. hypercorn's own limits hold only for a block

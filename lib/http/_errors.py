@@ -14,6 +14,16 @@ from collections.abc import Mapping
 
 import msgspec
 
+from ..engine.client import (
+    ChatTemplateError,
+    EngineDeadError,
+    EngineRestartingError,
+    InvalidPromptError,
+    PromptTooLongError,
+    RequestFailedError,
+    StructuredOutputError,
+)
+
 # OpenAI's `type` by status; statuses not listed are server errors.
 ERROR_TYPES: dict[int, str] = {
     400: "invalid_request_error",
@@ -122,3 +132,36 @@ def overloaded(retry_after: float) -> RequestError:
         code="overloaded",
         headers={"Retry-After": str(seconds)},
     )
+
+
+def http_error(exc: BaseException) -> RequestError | None:
+    """The HTTP error an exception stands for, the same before a response starts (its status
+    and body) and inside a stream (the error event's body); None for a failure of ours, which
+    the caller logs and answers with a 500.
+
+    An engine's death is a 503 (`server_error`: the server cannot serve now; a restart or
+    another replica may), with `Retry-After` when every engine is restarting.
+    """
+    if isinstance(exc, RequestError):
+        return exc
+    if isinstance(exc, EngineRestartingError):
+        retry = {"Retry-After": str(exc.retry_after)}
+        return RequestError(503, str(exc), SERVER_ERROR, headers=retry)
+    if isinstance(exc, EngineDeadError):
+        return RequestError(503, str(exc), SERVER_ERROR)
+    if isinstance(exc, PromptTooLongError):
+        return RequestError(400, str(exc), param=exc.param)
+    if isinstance(exc, InvalidPromptError):
+        return RequestError(400, str(exc), param="prompt")
+    if isinstance(exc, ChatTemplateError):  # the prompt is rendered before any stream starts
+        return RequestError(400, str(exc), param="messages")
+    if isinstance(exc, StructuredOutputError):
+        return RequestError(400, str(exc), param=exc.field)
+    if isinstance(exc, RequestFailedError):  # the engine refused this request alone
+        return RequestError(400, str(exc))
+    return None
+
+
+def internal_error(exc: BaseException) -> RequestError:
+    """500 for a failure of ours (the caller logs its traceback)."""
+    return RequestError(500, f"internal error: {exc}", SERVER_ERROR)

@@ -20,23 +20,17 @@ from typing import Any
 
 import trio
 
-from ..engine.client import (
-    AsyncLLM,
-    EngineDeadError,
-    Output,
-    RequestFailedError,
-    SamplingParams,
-    StructuredOutputError,
-)
+from ..engine.client import AsyncLLM, Output, PreparedRequest
 from . import _schemas as S
 from . import _tools_llama3 as L3
 from ._admission import Held
 from ._chat_output import ChatOutputParser
 from ._constraints import tool_choice_mode
-from ._errors import RequestError, error_body
+from ._errors import RequestError, error_body, http_error, internal_error
 from ._inputs import Inputs
 from ._metrics import Metrics
 from ._offload import Offload
+from ._request_scope import RequestScope, RequestTiming, bind, run_all
 from ._tools import DEFAULT_TOOL_PROMPT
 
 log = logging.getLogger("trillm.http")
@@ -57,14 +51,14 @@ class Generation:
         self.inflight = 0  # admitted generation requests (the app counts them)
         self.inputs = Inputs(llm, Offload(config.tokenizer_threads))
         self.draining = False
-        self._scopes: set[trio.CancelScope] = set()
+        self.scopes: set[trio.CancelScope] = set()
 
     def start_draining(self, timeout: float) -> None:
         """Refuse new requests; cancel the in-flight ones after `timeout` seconds."""
         self.draining = True
-        for scope in self._scopes:
+        for scope in self.scopes:
             scope.deadline = min(scope.deadline, trio.current_time() + timeout)
-        self._drain_deadline = trio.current_time() + timeout
+        self.drain_deadline = trio.current_time() + timeout
 
     # -- entry points ----------------------------------------------------------------------
 
@@ -79,13 +73,12 @@ class Generation:
         params, _ = await self.inputs.sampling_params(request)
         prompts = request.prompts
         held.grow(len(prompts) * params.n, what=f"{len(prompts)} prompts x n {params.n}")
-        prompts = await self.inputs.prompts(prompts, params)
-        await self._check_structured(params)
-        echo = await self.inputs.echo(prompts, request)
+        prepared = await self.inputs.prompts(prompts, params)
+        echo = await self.inputs.echo(prepared, request)
         if request.stream:
-            await self._stream(prompts, params, request, "completion", receive, send, extra, echo)
+            await self._stream(prepared, request, "completion", receive, send, extra, echo)
         else:
-            await self._whole(prompts, params, request, "completion", receive, send, extra, echo)
+            await self._whole(prepared, request, "completion", receive, send, extra, echo)
 
     async def chat(
         self,
@@ -110,8 +103,7 @@ class Generation:
         held.grow(params.n, what=f"1 conversation x n {params.n}", param="n")
         tool_prompt = L3.TOOL_PROMPT if tool_format == "llama3_json" else DEFAULT_TOOL_PROMPT
         prompt = await self.inputs.chat_prompt(request.messages, functions, tool_prompt)
-        await self.inputs.prompts([prompt], params)
-        await self._check_structured(params)
+        prepared = await self.inputs.prompts([prompt], params)
         names = {f["name"] for f in functions} or None
         reasoning = self.config.reasoning_parser
         parser = None
@@ -123,25 +115,15 @@ class Generation:
                 tool_format=tool_format,
             )
         if request.stream:
-            await self._stream(
-                [prompt], params, request, "chat", receive, send, extra, None, parser
-            )
+            await self._stream(prepared, request, "chat", receive, send, extra, None, parser)
         else:
-            await self._whole([prompt], params, request, "chat", receive, send, extra, None, parser)
-
-    async def _check_structured(self, params: SamplingParams) -> None:
-        """Check the output constraint now: a bad one is a 400, before any stream starts."""
-        try:
-            await self.llm.check_structured(params)
-        except StructuredOutputError as exc:
-            raise RequestError(400, str(exc), param=exc.field) from exc
+            await self._whole(prepared, request, "chat", receive, send, extra, None, parser)
 
     # -- non-streaming -------------------------------------------------------------------
 
     async def _whole(
         self,
-        prompts: list[str | list[int]],
-        params: SamplingParams,
+        prompts: list[PreparedRequest],
         request: Any,
         kind: str,
         receive: Receive,
@@ -150,12 +132,13 @@ class Generation:
         echo: list[S.EchoPrompt] | None = None,
         parser: Callable[[], ChatOutputParser] | None = None,
     ) -> None:
+        params = prompts[0].params
         results: list[list[Output]] = [[] for _ in prompts]
         started = time.monotonic()
         async with self._running(receive) as scope:
-            await _run_all(
+            await run_all(
                 [
-                    _bind(self._collect, prompt, params, results, i, started)
+                    bind(self._collect, prompt, results, i, started)
                     for i, prompt in enumerate(prompts)
                 ]
             )
@@ -187,16 +170,11 @@ class Generation:
             await send({"type": "http.response.body", "body": body})
 
     async def _collect(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        results: list[list[Output]],
-        index: int,
-        started: float,
+        self, prompt: PreparedRequest, results: list[list[Output]], index: int, started: float
     ) -> None:
         merged: dict[int, Output] = {}
-        timing = _Timing(started)
-        async with self.llm.generate(prompt, params) as stream:
+        timing = RequestTiming(started)
+        async with self.llm.generate(prompt) as stream:
             async for output in stream:
                 timing.saw(output)
                 if output.index in merged:
@@ -204,7 +182,7 @@ class Generation:
                 else:
                     merged[output.index] = output
         outputs = [merged[i] for i in sorted(merged)]
-        base = index * params.n
+        base = index * prompt.params.n
         for output in outputs:
             output.index += base
             self._observe(output, timing)
@@ -214,8 +192,7 @@ class Generation:
 
     async def _stream(
         self,
-        prompts: list[str | list[int]],
-        params: SamplingParams,
+        prompts: list[PreparedRequest],
         request: Any,
         kind: str,
         receive: Receive,
@@ -225,6 +202,7 @@ class Generation:
         parser: Callable[[], ChatOutputParser] | None = None,
     ) -> None:
         model = self.config.served_model_name
+        params = prompts[0].params
         chunker = S.StreamChunker(
             S.ResponseMeta.completion(model)
             if kind == "completion"
@@ -251,11 +229,9 @@ class Generation:
         error: RequestError | None = None
         try:
             async with self._running(receive) as scope:
-                await _run_all(
+                await run_all(
                     [
-                        _bind(
-                            self._stream_one, prompt, params, i * params.n, chunker, write, started
-                        )
+                        bind(self._stream_one, prompt, i * params.n, chunker, write, started)
                         for i, prompt in enumerate(prompts)
                     ]
                 )
@@ -263,13 +239,11 @@ class Generation:
                 error = RequestError(503, "the server is shutting down", "server_error")
             elif scope.cancelled_caught:
                 return  # the client went away
-        except EngineDeadError as exc:
-            error = RequestError(500, str(exc), "server_error")
-        except RequestFailedError as exc:  # the engine refused this one request
-            error = RequestError(400, str(exc))
-        except Exception as exc:
-            log.exception("internal error in a stream")
-            error = RequestError(500, f"internal error: {exc}", "server_error")
+        except Exception as exc:  # as the whole response's status would be (`http_error`)
+            error = http_error(exc)
+            if error is None:
+                log.exception("internal error in a stream")
+                error = internal_error(exc)
         with trio.move_on_after(self._last_write_timeout()):
             if error is not None:
                 await write(S.sse(error_body(error)))
@@ -279,19 +253,19 @@ class Generation:
 
     async def _stream_one(
         self,
-        prompt: str | list[int],
-        params: SamplingParams,
+        prompt: PreparedRequest,
         base: int,
         chunker: S.StreamChunker,
         write: Callable[[bytes], Awaitable[None]],
         started: float,
     ) -> None:
         interval = self.config.stream_interval
-        timing = _Timing(started)
+        params = prompt.params
+        timing = RequestTiming(started)
         pending: dict[int, Output] = {}  # held until `stream_interval` tokens (or the end)
         finished = 0
         try:
-            async with self.llm.generate(prompt, params) as stream:
+            async with self.llm.generate(prompt) as stream:
                 async for output in stream:
                     timing.saw(output)
                     output.index += base
@@ -313,8 +287,8 @@ class Generation:
 
     # -- shared --------------------------------------------------------------------------
 
-    def _running(self, receive: Receive) -> Any:
-        return _Running(self, receive)
+    def _running(self, receive: Receive) -> RequestScope:
+        return RequestScope(self, receive)
 
     def _last_write_timeout(self) -> float:
         """Seconds for a response's last writes: short once draining, so a client that stopped
@@ -326,7 +300,7 @@ class Generation:
         text: str = self.llm.tokenizer.convert_ids_to_tokens(token_id)
         return text
 
-    def _observe(self, output: Output, timing: _Timing) -> None:
+    def _observe(self, output: Output, timing: RequestTiming) -> None:
         self.metrics.observe_request(
             ttft=timing.ttft,
             itl_list=timing.itl,
@@ -335,90 +309,3 @@ class Generation:
             generation_tokens=output.num_output_tokens,
             finished_reason=output.finish_reason or "abort",
         )
-
-
-class _Timing:
-    """When a request's tokens arrived: time to first token and the gaps between tokens."""
-
-    def __init__(self, started: float) -> None:
-        self.started = started
-        self.ttft: float | None = None
-        self.itl: list[float] = []
-        self._last: float | None = None
-
-    def saw(self, output: Output) -> None:
-        if not output.token_ids:
-            return
-        now = time.monotonic()
-        if self._last is None:
-            self.ttft = now - self.started
-        else:
-            self.itl.append((now - self._last) / len(output.token_ids))
-        self._last = now
-
-
-class _Running:
-    """Cancels the request when the client disconnects, or at the drain deadline."""
-
-    def __init__(self, generation: Generation, receive: Receive) -> None:
-        self.generation = generation
-        self.receive = receive
-        self.scope = trio.CancelScope()
-        self._nursery_cm: Any = None
-
-    async def __aenter__(self) -> trio.CancelScope:
-        generation = self.generation
-        generation._scopes.add(self.scope)
-        if generation.draining:
-            self.scope.deadline = generation._drain_deadline
-        self._nursery_cm = trio.open_nursery()
-        nursery = await self._nursery_cm.__aenter__()
-        nursery.start_soon(self._watch)
-        self._watcher = nursery.cancel_scope
-        self.scope.__enter__()
-        return self.scope
-
-    async def __aexit__(self, *exc_info: Any) -> bool:
-        try:
-            suppressed = self.scope.__exit__(*exc_info)
-        finally:
-            self._watcher.cancel()
-            await self._nursery_cm.__aexit__(None, None, None)
-            self.generation._scopes.discard(self.scope)
-        return bool(suppressed)
-
-    async def _watch(self) -> None:
-        while True:
-            message = await self.receive()
-            if message["type"] == "http.disconnect":
-                self.scope.cancel()
-                return
-
-
-def _bind(fn: Callable[..., Awaitable[None]], *args: Any) -> Callable[[], Awaitable[None]]:
-    async def call() -> None:
-        await fn(*args)
-
-    return call
-
-
-async def _run_all(jobs: list[Callable[[], Awaitable[None]]]) -> None:
-    """Run `jobs` concurrently; raise the first real error as itself (not as a group)."""
-    if len(jobs) == 1:
-        await jobs[0]()
-        return
-    try:
-        async with trio.open_nursery() as nursery:
-            for job in jobs:
-                nursery.start_soon(job)
-    except BaseExceptionGroup as group:
-        leaves = _leaves(group)
-        real = [e for e in leaves if not isinstance(e, trio.Cancelled)]
-        raise (real or leaves)[0] from None
-
-
-def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
-    out: list[BaseException] = []
-    for exc in group.exceptions:
-        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
-    return out

@@ -6,9 +6,10 @@ echoed prompts decoded.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
-from ..engine.client import AsyncLLM, SamplingParams
+from ..engine.client import AsyncLLM, PreparedRequest, SamplingParams
 from . import _schemas as S
 from ._constraints import function_dicts
 from ._errors import RequestError
@@ -45,28 +46,21 @@ class Inputs:
 
     async def prompts(
         self, prompts: list[str | list[int]], params: SamplingParams
-    ) -> list[str | list[int]]:
-        """Every prompt tokenised and length-checked now, so a bad one is a 400, not a
-        broken stream (the response has not started yet).
+    ) -> list[PreparedRequest]:
+        """Every prompt checked whole now (`AsyncLLM.prepare`: tokenised, length-checked, its
+        constraint compiled), so a bad one is a 400, not a broken stream (the response has
+        not started yet); what `generate` then sends without checking again.
 
         Raises:
-            RequestError: 400: an empty prompt, an id outside the vocabulary, a text whose
-                head alone is longer than the model holds.
-            PromptTooLongError: a prompt and max_tokens exceed the model's maximum length.
+            InvalidPromptError, PromptTooLongError, StructuredOutputError: (400s, by
+                `_errors.http_error`) an empty prompt, an id outside the vocabulary, a prompt
+                longer than the model holds, a bad constraint.
         """
-
-        def validated() -> list[str | list[int]]:
-            out: list[str | list[int]] = []
-            for prompt in prompts:
-                try:
-                    ids = self.llm.tokenize(prompt)
-                except ValueError as exc:  # (PromptTooLongError of a text's head, too)
-                    raise RequestError(400, str(exc), param="prompt") from exc
-                self.llm.check_length(len(ids), params)
-                out.append(ids)
-            return out
-
-        return await self.offload.run(sum(len(p) for p in prompts), validated)
+        prepared = []
+        for prompt in prompts:
+            run = partial(self.offload.run, len(prompt))
+            prepared.append(await self.llm.prepare(prompt, params, run=run))
+        return prepared
 
     async def chat_prompt(
         self,
@@ -101,21 +95,16 @@ class Inputs:
 
         return await self.offload.run(_chat_size(messages, functions), render)
 
-    async def echo(self, prompts: list[str | list[int]], request: Any) -> list[S.EchoPrompt] | None:
+    async def echo(self, prompts: list[PreparedRequest], request: Any) -> list[S.EchoPrompt] | None:
         """The prompts as `echo` shows them (None unless the request asks for it)."""
         if not getattr(request, "echo", False):
             return None
         tokenizer = self.llm.tokenizer
 
         def echoes() -> list[S.EchoPrompt]:
-            out = []
-            for prompt in prompts:
-                ids = tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
-                text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
-                out.append(S.EchoPrompt(text, ids))
-            return out
+            return [S.EchoPrompt(tokenizer.decode(p.token_ids), p.token_ids) for p in prompts]
 
-        return await self.offload.run(sum(len(p) for p in prompts), echoes)
+        return await self.offload.run(sum(len(p.token_ids) for p in prompts), echoes)
 
 
 def _constraint_size(request: Request) -> int:

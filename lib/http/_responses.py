@@ -8,13 +8,16 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 
 from ..engine.client import Output, TokenLogprob
 from ._chat_output import ChatOutputParser, ChatParts
+from ._usage import Usage as Usage
+from ._usage import usage as usage
+from ._usage import usage_of as usage_of
 
 TokenText = Callable[[int], str]  # a token id's text, for logprobs (the tokenizer's)
 
@@ -47,44 +50,6 @@ class EchoPrompt:
 
     text: str
     token_ids: Sequence[int]
-
-
-class PromptTokensDetails(msgspec.Struct):
-    cached_tokens: int
-
-
-class Usage(msgspec.Struct):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    # null unless the server runs with --enable-prompt-tokens-details (vLLM's default too):
-    # cached_tokens tells a client how much of its prompt another request sent before.
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> Usage:
-    """The usage record; `prompt_tokens_details` only when `cached_tokens` is given."""
-    total = prompt_tokens + completion_tokens
-    details = None if cached_tokens is None else PromptTokensDetails(cached_tokens)
-    return Usage(prompt_tokens, completion_tokens, total, details)
-
-
-def usage_of(outputs: Iterable[Output], *, n: int, prompt_tokens_details: bool = False) -> Usage:
-    """The usage of the (last) outputs of every choice; choice i is of prompt i // n.
-
-    A prompt counts once however many choices it has, as OpenAI counts it; its cached
-    tokens are those of its first choice, reported only with `prompt_tokens_details`.
-    """
-    prompts: dict[int, Output] = {}
-    completion_tokens = 0
-    for output in outputs:
-        completion_tokens += output.num_output_tokens
-        first = prompts.setdefault(output.index // n, output)
-        if output.index < first.index:
-            prompts[output.index // n] = output
-    prompt_tokens = sum(o.num_prompt_tokens for o in prompts.values())
-    cached = sum(o.num_cached_tokens for o in prompts.values())
-    return usage(prompt_tokens, completion_tokens, cached if prompt_tokens_details else None)
 
 
 class CompletionLogprobs(msgspec.Struct):
@@ -384,58 +349,6 @@ def _chat_logprobs(
 
 def _top_logprob(token: str, logprob: float) -> TopLogprob:
     return TopLogprob(token, max(logprob, MIN_LOGPROB), list(token.encode()))
-
-
-# -- the small endpoints ------------------------------------------------------------------
-
-
-class ModelCard(msgspec.Struct):
-    id: str
-    created: int
-    max_model_len: int
-    object: str = "model"
-    owned_by: str = "trillm"
-
-
-class ModelList(msgspec.Struct):
-    data: list[ModelCard]
-    object: str = "list"
-
-
-class TokenizeResponse(msgspec.Struct):
-    tokens: list[int]
-    count: int
-    max_model_len: int
-
-
-class DetokenizeResponse(msgspec.Struct):
-    prompt: str
-
-
-class VersionResponse(msgspec.Struct, omit_defaults=True):
-    version: str
-    kernels: dict[str, str] | None = None  # what the model runs with (`KernelChoice`)
-
-
-def models_response(
-    model_ids: Iterable[str], *, max_model_len: int, created: int | None = None
-) -> bytes:
-    """`GET /v1/models`: every served model name (`created`: now unless given)."""
-    created = int(time.time()) if created is None else created
-    cards = [ModelCard(name, created, max_model_len) for name in model_ids]
-    return _encoder.encode(ModelList(cards))
-
-
-def tokenize_response(tokens: list[int], *, max_model_len: int) -> bytes:
-    return _encoder.encode(TokenizeResponse(tokens, len(tokens), max_model_len))
-
-
-def detokenize_response(prompt: str) -> bytes:
-    return _encoder.encode(DetokenizeResponse(prompt))
-
-
-def version_response(version: str, kernels: dict[str, str] | None = None) -> bytes:
-    return _encoder.encode(VersionResponse(version, kernels))
 
 
 def _parsed_message(

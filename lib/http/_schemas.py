@@ -1,5 +1,6 @@
 """The HTTP layer's schemas in one namespace: requests, responses and the stream chunker."""
 
+from ._info_responses import *  # noqa: F403
 from ._requests import *  # noqa: F403
 from ._responses import *  # noqa: F403
 from ._responses import SSE_DONE as SSE_DONE

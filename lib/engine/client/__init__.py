@@ -15,6 +15,7 @@ from ._config import LLMConfig as LLMConfig
 from ._errors import ChatTemplateError as ChatTemplateError
 from ._errors import EngineDeadError as EngineDeadError
 from ._errors import EngineRestartingError as EngineRestartingError
+from ._errors import InvalidPromptError as InvalidPromptError
 from ._errors import PromptTooLongError as PromptTooLongError
 from ._errors import RequestFailedError as RequestFailedError
 from ._grammar_budget import MAX_STRUCTURED_DEPTH as MAX_STRUCTURED_DEPTH
@@ -23,6 +24,7 @@ from ._launch import EngineStartError as EngineStartError
 from ._llm import LLM as LLM
 from ._outputs import Output as Output
 from ._outputs import TokenLogprob as TokenLogprob
+from ._prepared import PreparedRequest as PreparedRequest
 from ._regex_size import MAX_REGEX_OPTIONALS as MAX_REGEX_OPTIONALS
 from ._request_output import CompletionOutput as CompletionOutput
 from ._request_output import Logprob as Logprob

@@ -44,7 +44,16 @@ class RequestFailedError(ValueError):
 
 
 class PromptTooLongError(ValueError):
-    """The prompt plus max_tokens exceed the engine's max model length."""
+    """The prompt plus max_tokens exceed the engine's max model length; `param` names the
+    request field to change ("max_tokens", or "prompt" when the prompt alone is too long)."""
+
+    def __init__(self, message: str, param: str = "max_tokens") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class InvalidPromptError(ValueError):
+    """The prompt is empty, or holds a token id outside the vocabulary."""
 
 
 class ChatTemplateError(ValueError):

@@ -21,7 +21,7 @@ import jinja2
 
 from ..protocol import _messages as P
 from ._detokenizer import IncrementalDetokenizer, StopChecker
-from ._errors import ChatTemplateError, PromptTooLongError
+from ._errors import ChatTemplateError, InvalidPromptError, PromptTooLongError
 from ._output_processor import RequestState
 from ._outputs import Mailbox
 from ._sampling_params import SamplingParams
@@ -43,8 +43,9 @@ class InputProcessor:
         """`prompt` as token ids (text is tokenised; ids are checked against the vocabulary).
 
         Raises:
-            ValueError: an empty prompt or a token id outside the vocabulary.
-            PromptTooLongError: the text's head alone has more tokens than the model holds.
+            InvalidPromptError: an empty prompt or a token id outside the vocabulary.
+            PromptTooLongError: the text's head alone has more tokens than the model holds
+                (its `param` is "prompt").
         """
         if isinstance(prompt, str):
             self._refuse_if_head_too_long(prompt, add_special_tokens=True)
@@ -54,9 +55,11 @@ class InputProcessor:
             vocab = self.ready.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+                raise InvalidPromptError(
+                    f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})"
+                )
         if not ids:
-            raise ValueError("the prompt is empty: send at least one token")
+            raise InvalidPromptError("the prompt is empty: send at least one token")
         return ids
 
     def check_length(self, num_prompt: int, params: SamplingParams) -> int:
@@ -125,7 +128,8 @@ class InputProcessor:
             raise PromptTooLongError(
                 f"the prompt has more than {len(head) - HEAD_MARGIN} tokens (its first {cut} "
                 f"of {len(text)} characters alone), more than the model's maximum length "
-                f"{limit}; shorten the prompt"
+                f"{limit}; shorten the prompt",
+                param="prompt",
             )
 
     def new_state(

@@ -186,7 +186,7 @@ class LLM:
             self._request(text, ids, p) for (text, ids), p in zip(inputs, params, strict=True)
         ]
         open_rnums: dict[int, _Request] = {}  # rnum -> its request, until that child ends
-        states = self._processor.states
+        processor = self._processor
         with tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm) as bar:
             try:
                 for request in requests:
@@ -195,9 +195,9 @@ class LLM:
                 first_generated = self._processor.generation_tokens
                 while open_rnums:
                     self._client.pump()
-                    if len(states) == len(open_rnums):
+                    if len(processor) == len(open_rnums):
                         continue  # no child ended
-                    for rnum in [r for r in open_rnums if r not in states]:
+                    for rnum in [r for r in open_rnums if r not in processor]:
                         request = open_rnums.pop(rnum)
                         if request.mailbox.error is not None:
                             raise request.mailbox.error
@@ -236,7 +236,7 @@ class LLM:
                 rnum, request.mailbox, index, request.token_ids, request.params
             )
             request.states.append(state)
-            self._processor.states[rnum] = state
+            self._processor.add(state)
             open_rnums[rnum] = request
             options = request.params.child_options(index, vocab_size=vocab)
             self._client.send_add(rnum, options, request.max_tokens, request.token_ids)
@@ -244,7 +244,7 @@ class LLM:
     def _abandon(self, rnums: list[int]) -> None:
         """Forget unfinished children (an error or an interrupt ended the batch); abort them."""
         for rnum in rnums:
-            self._processor.states.pop(rnum, None)
+            self._processor.forget(rnum)
         if rnums and self._client.error is None:
             with contextlib.suppress(EngineDeadError):  # its requests are gone with it
                 self._client.send_abort(rnums)

@@ -10,6 +10,7 @@ the synchronous client (`_sync_client`) share it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,17 +53,22 @@ class RequestState:
 
 
 class OutputProcessor:
-    """Fans each STEP record out to the requests it names."""
+    """Fans each STEP record out to the requests it names.
+
+    It owns the frontend's table of open requests (request number -> `RequestState`); the
+    others change it only through `add`, `forget` and `fail`, and read it through `get`,
+    `of_engine` and `len`, so that one object says which requests are open.
+    """
 
     def __init__(self) -> None:
-        self.states: dict[int, RequestState] = {}
+        self._states: dict[int, RequestState] = {}
         # Tokens generated over this processor's life: `LLM`'s progress bar reads it. The
         # latency series are the server's Prometheus histograms (`http._metrics`), not kept here.
         self.generation_tokens = 0
 
     def process_step(self, view: StepView) -> list[int]:
         """Apply one STEP record; returns rnums that a stop string finished (to abort)."""
-        states = self.states
+        states = self._states
         offsets = view.tok_offsets.tolist()
         tokens = view.tokens.tolist()
         finish = view.finish.tolist() if view.num_finished else None
@@ -141,27 +147,51 @@ class OutputProcessor:
         """Apply a request's EVENT: a chunk of its prompt logprobs, or its own failure (the
         engine refused it alone). Utility results are the caller's."""
         if isinstance(event, P.PromptLogprobsChunk):
-            state = self.states.get(event.rnum)
+            state = self._states.get(event.rnum)
             if state is not None and state.mailbox.put(prompt_logprobs_output(state, event)):
                 state.mailbox.wake()
         else:
-            state = self.states.pop(event.rnum, None)
+            state = self._states.pop(event.rnum, None)
             if state is not None and state.mailbox.fail(RequestFailedError(event.message)):
                 state.mailbox.wake()
 
-    def fail_engine(self, engine: int, error: BaseException) -> None:
-        """Every open request of `engine` raises `error`: one pass, then the wake-ups."""
-        failed = [s for s in self.states.values() if s.engine == engine]
-        to_wake = [s.mailbox for s in failed if s.mailbox.fail(error)]
-        for state in failed:
-            del self.states[state.rnum]
-        for mailbox in to_wake:
-            mailbox.wake()
+    # -- the request table -------------------------------------------------------------------
 
-    def fail_all(self, error: BaseException) -> None:
-        """Every open request raises `error`: one synchronous pass, then the wake-ups."""
-        to_wake = [s.mailbox for s in self.states.values() if s.mailbox.fail(error)]
-        self.states.clear()
+    def add(self, state: RequestState) -> None:
+        """Open `state`: the engine's records for its number reach it from now on."""
+        self._states[state.rnum] = state
+
+    def forget(self, rnum: int) -> RequestState | None:
+        """Close request `rnum` without a word to its mailbox (its caller left); its state."""
+        return self._states.pop(rnum, None)
+
+    def get(self, rnum: int) -> RequestState | None:
+        return self._states.get(rnum)
+
+    def of_engine(self, engine: int) -> list[RequestState]:
+        """The open requests on engine `engine` (its index), oldest first."""
+        return [s for s in self._states.values() if s.engine == engine]
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, rnum: object) -> bool:
+        return rnum in self._states
+
+    def fail(
+        self,
+        error: BaseException | Callable[[RequestState], BaseException],
+        states: Iterable[RequestState] | None = None,
+    ) -> None:
+        """Close `states` (None: every open request), each raising `error` (or
+        `error(state)`) from its stream: one synchronous pass, then the wake-ups."""
+        failed = list(self._states.values()) if states is None else list(states)
+        to_wake = []
+        for state in failed:
+            if self._states.pop(state.rnum, None) is None:
+                continue
+            if state.mailbox.fail(error(state) if callable(error) else error):
+                to_wake.append(state.mailbox)
         for mailbox in to_wake:
             mailbox.wake()
 

@@ -106,9 +106,7 @@ async def release_quarantined(engine: EngineClient, processor: OutputProcessor) 
     the last ended; stop when the engine dies (its successor takes the rest)."""
     while not engine.dead:
         waiting = [
-            s
-            for s in processor.states.values()
-            if s.engine == engine.index and s.quarantined and not s.on_engine
+            s for s in processor.of_engine(engine.index) if s.quarantined and not s.on_engine
         ]
         if not waiting:
             return
@@ -117,5 +115,5 @@ async def release_quarantined(engine: EngineClient, processor: OutputProcessor) 
             await resend(engine, state)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return  # it died meanwhile: its death is being handled
-        while processor.states.get(state.rnum) is state and not engine.dead:
+        while processor.get(state.rnum) is state and not engine.dead:
             await trio.sleep(QUARANTINE_POLL_S)

@@ -5,7 +5,8 @@ its prefix. The frontend cannot see the engines' caches, but it saw every prompt
 it remembers, for block-aligned prefixes of 1, 2, 4, ... 32 blocks (LRU, bounded), which
 engine last took them. A request goes to the engine of its longest remembered prefix unless
 that engine is busier than the least-loaded one by more than `slack` requests; otherwise to
-the least-loaded live engine (the lowest index on ties). Load is the requests (children)
+the least-loaded live engine (the lowest index on ties). Which engines are live is the
+`EnginePool`'s to say; the router is told with each choice. Load is the requests (children)
 routed to an engine and not yet ended, counted here: no round trip to the engines.
 
 The remembered prefixes are keyed by Python's `hash()` of the tokens, which anyone can
@@ -28,7 +29,6 @@ class EngineRouter:
 
     def __init__(self, num_engines: int, block_size: int, *, slack: int = 8) -> None:
         self.loads = [0] * num_engines
-        self.alive = [True] * num_engines
         self.block_size = block_size
         self.slack = slack
         self._prefixes: OrderedDict[tuple[int, int], int] = OrderedDict()
@@ -43,21 +43,18 @@ class EngineRouter:
                 keys.append((n, hash(tuple(token_ids[:n]))))
         return keys
 
-    def choose(self, token_ids: Sequence[int]) -> int:
-        """The engine for a prompt; raises LookupError when no engine is alive."""
-        if len(self.alive) == 1:  # nothing to choose: no prefix bookkeeping per request
-            if not self.alive[0]:
-                raise LookupError("no engine is alive")
-            return 0
-        live = [i for i, ok in enumerate(self.alive) if ok]
+    def choose(self, token_ids: Sequence[int], live: Sequence[int]) -> int:
+        """The engine for a prompt among the `live` ones; LookupError when there is none."""
         if not live:
             raise LookupError("no engine is alive")
+        if len(self.loads) == 1:  # nothing to choose: no prefix bookkeeping per request
+            return live[0]
         least = min(live, key=lambda i: self.loads[i])
         keys = self._keys(token_ids)
         chosen = least
         for key in keys:
             engine = self._prefixes.get(key)
-            if engine is not None and self.alive[engine]:
+            if engine is not None and engine in live:
                 if self.loads[engine] <= self.loads[least] + self.slack:
                     chosen = engine
                 break
@@ -69,6 +66,6 @@ class EngineRouter:
         return chosen
 
     def engine_died(self, engine: int) -> None:
-        self.alive[engine] = False
+        """Forget the prefixes `engine` held: its KV cache is gone."""
         for key in [k for k, e in self._prefixes.items() if e == engine]:
             del self._prefixes[key]

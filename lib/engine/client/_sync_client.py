@@ -170,7 +170,7 @@ class SyncEngineClient:
 
     def _die(self, error: RemoteError) -> NoReturn:
         self.error = EngineDeadError(error)
-        self.processor.fail_all(self.error)
+        self.processor.fail(self.error)
         raise self.error
 
     # -- life ------------------------------------------------------------------------------

@@ -156,7 +156,7 @@ async def test_cancelled_consumers_abort_in_the_engine(llm: AsyncLLM) -> None:
                 break
             await trio.sleep(0.05)
     assert stats["num_free_blocks"] == baseline["num_free_blocks"]
-    assert not llm._processor.states
+    assert not len(llm._processor)
 
 
 async def test_sigkill_of_the_engine_fails_64_streams_naming_sigkill(

@@ -27,25 +27,26 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_router_spreads_by_load_and_keeps_prefixes_together() -> None:
     router = EngineRouter(2, block_size=16, slack=2)
+    both = [0, 1]
     system = list(range(100, 164))  # a 4-block shared prefix
-    first = router.choose([*system, 1, 2, 3])
+    first = router.choose([*system, 1, 2, 3], both)
     router.loads[first] += 1
-    assert router.choose(list(range(500, 540))) != first  # a new prompt: the idle engine
+    assert router.choose(list(range(500, 540)), both) != first  # a new prompt: the idle engine
     for i in range(2):  # the same prefix stays while the engine is not much busier
-        assert router.choose([*system, 7, i]) == first
+        assert router.choose([*system, 7, i], both) == first
         router.loads[first] += 1
-    assert router.choose([*system, 9]) != first  # three more than the other: it spills
+    assert router.choose([*system, 9], both) != first  # three more than the other: it spills
     router.engine_died(1 - first)
-    assert router.choose(list(range(900, 950))) == first
-    router.engine_died(first)
+    assert router.choose(list(range(900, 950)), [first]) == first
+    assert router.choose([*system, 9], [first]) == first  # its prefix's engine is the only one
     with pytest.raises(LookupError):
-        router.choose([1, 2, 3])
+        router.choose([1, 2, 3], [])
 
 
 def test_short_prompts_have_no_prefix_to_follow() -> None:
     router = EngineRouter(2, block_size=16)
     router.loads[0] = 1
-    assert router.choose(list(range(16))) == 1  # one block is all there is: no usable prefix
+    assert router.choose(list(range(16)), [0, 1]) == 1  # one block is all there is: no prefix
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 def engine_of(llm: AsyncLLM, stream: RequestStream) -> int:
     """The engine a stream's request was routed to."""
-    states = llm._processor.states.values()
+    states = [s for e in range(len(llm.engines)) for s in llm._processor.of_engine(e)]
     return next(state.engine for state in states if state.mailbox is stream._mailbox)
 
 

@@ -1,0 +1,22 @@
+"""A request checked once, before anything is sent: what `AsyncLLM.prepare` returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """A prompt's token ids (in the vocabulary), its sampling parameters, its max_tokens (the
+    model's length checked) and its constraint's compiled grammar ("" for none).
+
+    Made by `AsyncLLM.prepare`, which checks each part; `generate` trusts it and checks
+    nothing again (before, a server request was tokenised and checked twice).
+    """
+
+    token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    grammar: str = ""
