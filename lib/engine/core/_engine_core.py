@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from ...gpu import RunnerOutput, StepBatch
+from ...gpu import RunnerOutput
 from ...transport_shm import BusyError, RingReader, RingWriter
 from ..protocol import _messages as P
 from ..protocol._config import EngineConfig
@@ -57,7 +57,6 @@ class EngineCore:
         self.requests = requests
         self.outputs = outputs
         self.executor = executor
-        self.step = 0
         self._encoder = msgspec.msgpack.Encoder()
         self._add_decoder = msgspec.msgpack.Decoder(P.AddHeader)
         self._utility_decoder = msgspec.msgpack.Decoder(P.UtilityCall)
@@ -141,14 +140,12 @@ class EngineCore:
         result = self.scheduler.update_from_output(batch, output)
         self.step_rnums = None
         self._write(result)
-        self.step += 1
 
     def _flush(self) -> None:
         """Report aborts and rejected ADDs without scheduling (paused or asleep)."""
         self._needs_flush = False
         empty = RunnerOutput(np.zeros(0, np.uint64), np.zeros(0, np.int32))
-        self._write(self.scheduler.update_from_output(StepBatch(self.step), empty))
-        self.step += 1
+        self._write(self.scheduler.update_from_output(self.scheduler.empty_batch(), empty))
 
     def _write(self, result: StepResult) -> None:
         for rnum, prompt in result.prompt_logprobs.items():
@@ -172,7 +169,7 @@ class EngineCore:
             return
         write_step(
             self.outputs,
-            self.step,
+            result.step,
             result.rnums,
             result.tok_offsets,
             result.tokens,

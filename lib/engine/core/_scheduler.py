@@ -435,6 +435,14 @@ class Scheduler:
         """Whether a step has work: requests queued or running (not only compiling)."""
         return bool(self.waiting or self.running)
 
+    def empty_batch(self) -> StepBatch:
+        """A step that schedules nothing (a flush: aborts and refused ADDs reported while
+        paused or asleep), numbered in the one sequence `schedule` numbers steps in: the
+        engine's STEP records and the scheduler's statistics then count the same steps."""
+        batch = StepBatch(self._step)
+        self._step += 1
+        return batch
+
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache; refused (False) while requests hold blocks."""
         return self.kv_cache_manager.reset_prefix_cache()

@@ -33,6 +33,7 @@ class EngineClient:
         self.dead: RemoteError | None = None
         self.dead_at: float | None = None
         self.steps = 0
+        self.last_step = -1  # the last STEP record's step number
 
     def add(
         self, rnum: int, prompt: list[int], max_tokens: int, options: SamplingOptions = GREEDY
@@ -77,6 +78,7 @@ class EngineClient:
 
     def _step(self, view: StepView) -> None:
         self.steps += 1
+        self.last_step = view.step
         offsets = view.tok_offsets.tolist()
         tokens = view.tokens.tolist()
         cached = None if view.num_cached_tokens is None else view.num_cached_tokens.tolist()

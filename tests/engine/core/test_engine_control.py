@@ -68,6 +68,10 @@ def test_pause_holds_running_requests_and_resume_continues_them(client_for: obje
     client.run_until(lambda: 1 in client.finish)
     assert client.tokens[1] == reference.tokens[1]
     assert call(client, 4, "is_paused").result is False
+    # The abort's flush was a step of the scheduler's count too: the STEP records and the
+    # statistics number the same steps (they drifted apart by one per flush).
+    stats = call(client, 5, "stats").result
+    assert isinstance(stats, dict) and client.last_step < stats["step"]
 
 
 @pytest.mark.timeout(120)
