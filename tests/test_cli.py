@@ -66,9 +66,10 @@ def test_a_flag_sets_the_field_that_declares_it() -> None:
     assert config.llm.watchdog_timeout == config.llm.engine.worker_watchdog_timeout == 8
     assert (config.http.stream_interval, config.http.request_body_timeout) == (1, None)
     assert (config.port, config.llm.max_engine_restarts, command.max_api_restarts) == (9, 0, 0)
-    # one owner each: the engine client's; the HTTP layer's copies follow it
-    assert config.http.shutdown_timeout == config.llm.shutdown_timeout == 3
-    assert config.http.reasoning_parser == config.llm.reasoning_parser == "qwen3"
+    # one owner each, the engine client's config; the HTTP layer keeps no copy
+    assert (config.llm.shutdown_timeout, config.llm.reasoning_parser) == (3, "qwen3")
+    assert not hasattr(config.http, "shutdown_timeout")
+    assert not hasattr(config.http, "reasoning_parser")
 
 
 def test_the_flags_default_to_their_fields_but_where_the_server_says_otherwise() -> None:

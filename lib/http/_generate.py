@@ -105,7 +105,7 @@ class Generation:
         prompt = await self.inputs.chat_prompt(request.messages, functions, tool_prompt)
         prepared = await self.inputs.prompts([prompt], params)
         names = {f["name"] for f in functions} or None
-        reasoning = self.config.reasoning_parser
+        reasoning = self.llm.config.reasoning_parser  # the constraint's too: one setting
         parser = None
         if names or reasoning:
             parser = partial(

@@ -17,7 +17,6 @@ serves (`ready_fd`); a crash of the child is restarted there, an exit like the a
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import os
@@ -82,14 +81,6 @@ class ServerConfig:
     listen_fd: int | None = None
     ready_fd: int | None = None
 
-    def __post_init__(self) -> None:
-        http = dataclasses.replace(
-            self.http,
-            shutdown_timeout=self.llm.shutdown_timeout,
-            reasoning_parser=self.llm.reasoning_parser,
-        )
-        object.__setattr__(self, "http", http)
-
     @staticmethod
     def options() -> list[Option]:
         """The `trillm serve` flags the server's configs declare (the worker's aside)."""
@@ -102,8 +93,8 @@ class ServerConfig:
 
 
 # The flags of `ServeConfig`'s fields (declared here, by the code that builds it, so that
-# `_app` stays about the app). Its `shutdown_timeout` and `reasoning_parser` are
-# `LLMConfig`'s (`ServerConfig` copies them).
+# `_app` stays about the app). The shutdown deadline and the reasoning parser are
+# `LLMConfig`'s alone: the app reads them there.
 SERVE_FLAGS = {
     "max_queued_requests": Flag(
         ("--max-queued-requests",),
@@ -180,7 +171,7 @@ async def run_server(
             hconfig.bind = [f"{config.host}:{config.port}"]
         # In-flight requests end at the shutdown timeout, then have their last writes; then
         # the connections still open are closed (a client that stopped reading holds none).
-        hconfig.graceful_timeout = config.http.shutdown_timeout + DRAINING_LAST_WRITE_S
+        hconfig.graceful_timeout = config.llm.shutdown_timeout + DRAINING_LAST_WRITE_S
         hconfig.accesslog = None
         hconfig.errorlog = None
         hconfig.keep_alive_timeout = 5
@@ -246,7 +237,7 @@ async def _watch_signals(app: App, shutdown: trio.Event, everything: trio.Cancel
                 everything.cancel()
                 return
             print("trillm: shutting down (again to abort)", file=sys.stderr, flush=True)
-            app.generation.start_draining(app.config.shutdown_timeout)
+            app.generation.start_draining(app.llm.config.shutdown_timeout)
             shutdown.set()
 
 

@@ -26,7 +26,7 @@ from ..protocol._errors import RemoteError
 from ..protocol._step_record import StepView
 from ._connection import EngineConnection, Outgoing, ProtocolError
 from ._inproc import EngineProcess, start_in_process
-from ._launch import EngineStartError, spawn_engine
+from ._launch import EngineStartError, exit_cause, spawn_engine
 from ._output_processor import OutputProcessor
 from ._watchdog import not_responding_error, wait_heartbeat_stopped
 
@@ -232,11 +232,7 @@ class EngineClient:
         if code is None:
             return  # an in-process engine left running by `shutdown` (a thread is not killed)
         self._exited.set()
-        self._exit_error = (
-            RemoteError("engine", signal=-code)
-            if code < 0
-            else RemoteError("engine", exit_code=code)
-        )
+        self._exit_error = exit_cause(code)
         what = "thread (in process)" if self.in_process else "process"
         reason = f"the {self.name} {what} " + (
             f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
@@ -252,7 +248,7 @@ class EngineClient:
             try:
                 kind, payload = await reader.peek_async()
             except (trio.BrokenResourceError, trio.ClosedResourceError):
-                self.die(self._exit_error or RemoteError("engine", exit_code=None))
+                self.die(self._exit_error or exit_cause(None))
                 return
             try:
                 record = self.connection.receive(kind, payload)

@@ -54,7 +54,11 @@ def spawn_engine(config: EngineConfig) -> tuple[subprocess.Popen[bytes], RingWri
 
 def exit_error(process: subprocess.Popen[bytes]) -> RemoteError:
     """How the engine process ended, as a root cause."""
-    code = process.returncode
+    return exit_cause(process.returncode)
+
+
+def exit_cause(code: int | None) -> RemoteError:
+    """An exit status (negative: the signal that killed it; None: not known) as a root cause."""
     if code is not None and code < 0:
         return RemoteError("engine", signal=-code)
     return RemoteError("engine", exit_code=code)
