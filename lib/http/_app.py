@@ -80,7 +80,9 @@ class ServeConfig:
     request_body_timeout: float | None = 30.0  # seconds for a body to arrive (None: no limit)
     tokenizer_threads: int = field(default_factory=default_threads)
     write_timeout: float = 30.0
-    enable_auto_tool_choice: bool = False  # tool_choice "auto" (vLLM's flag of that name)
+    # tool_choice "auto", and no tool_choice with tools (OpenAI's default then): on, as in
+    # SGLang and llama.cpp; off (vLLM's default) refuses such requests with a 400.
+    enable_auto_tool_choice: bool = True
     tool_call_parser: str = "hermes"  # the tool-call format (the only one: Hermes)
     stream_interval: int = 1  # tokens per streamed chunk, at least (the last may have fewer)
     enable_dev_endpoints: bool = False  # the control routes of `_dev_endpoints`

@@ -56,6 +56,8 @@ class ChatOutputParser:
         self._held = ""
         self._strip = False  # drop the newlines between </think> and the content
         self._tools: ToolCallStream | Llama3CallStream | None = None
+        self._blank = ""  # content whitespace held back: a call may follow it
+        self._said = False  # whether any content was sent
         if tool_names:
             stream = Llama3CallStream if tool_format == "llama3_json" else ToolCallStream
             self._tools = stream(tool_names)
@@ -104,11 +106,26 @@ class ChatOutputParser:
             parts.add(self._content(held))
         if self._tools is not None:
             content, deltas = self._tools.finish()
-            parts.add(ChatParts(content=content, tool_calls=deltas))
+            parts.add(ChatParts(content=self._unblank(content), tool_calls=deltas))
+            if not self._tools.calls:  # no call came: the whitespace was content after all
+                parts.content += self._blank
+            self._blank = ""
         return parts
 
     def _content(self, text: str) -> ChatParts:
         if self._tools is None:
             return ChatParts(content=text)
         content, deltas = self._tools.feed(text)
-        return ChatParts(content=content, tool_calls=deltas)
+        return ChatParts(content=self._unblank(content), tool_calls=deltas)
+
+    def _unblank(self, content: str) -> str:
+        """`content` with its trailing whitespace held back until text follows it. The
+        whitespace around and between calls (the separator the grammar writes) is no
+        content: the whole response strips it, so a stream must not send it either."""
+        text = self._blank + content
+        if not self._said and self.tool_calls:  # the content starts after a call: strip it
+            text = text.lstrip()
+        body = text.rstrip()
+        self._blank = text[len(body) :]
+        self._said = self._said or bool(body)
+        return body

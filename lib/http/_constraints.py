@@ -158,10 +158,12 @@ def constraint(
                 f"tool_choice {mode!r} and structured_outputs both constrain the output: send one",
                 param="structured_outputs",
             )
-        if mode == "named":
+        parallel = parallel_tool_calls
+        if mode == "named":  # exactly one call of that function, as OpenAI and vLLM make
             assert isinstance(tool_choice, NamedToolChoice)  # tool_choice_mode checked it
             functions = [f for f in functions if f["name"] == tool_choice.function.name]
-        return StructuredOutputs(grammar=required_grammar(functions, parallel=parallel_tool_calls))
+            parallel = False
+        return StructuredOutputs(grammar=required_grammar(functions, parallel=parallel))
     if mode == "auto" and schema is not None:
         calls = required_grammar(functions, parallel=parallel_tool_calls)
         content = json.dumps(T.compact(schema), separators=(",", ":"))

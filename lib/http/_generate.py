@@ -92,8 +92,9 @@ class Generation:
         if mode == "auto" and not self.config.enable_auto_tool_choice:
             raise RequestError(
                 400,
-                '"auto" tool choice requires --enable-auto-tool-choice (and --tool-call-parser) '
-                "to be set; or send tool_choice 'required', 'none' or a named function",
+                '"auto" tool choice (tools sent without a tool_choice, too) is off on this server '
+                "(--no-enable-auto-tool-choice): send tool_choice 'required', 'none' or a named "
+                "function, or run it with --enable-auto-tool-choice",
                 param="tool_choice",
             )
         tool_format = self.config.tool_call_parser

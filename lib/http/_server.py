@@ -117,7 +117,8 @@ SERVE_FLAGS = {
     "stream_interval": Flag(("--stream-interval",), "tokens per streamed chunk (at least)"),
     "enable_auto_tool_choice": Flag(
         ("--enable-auto-tool-choice",),
-        'allow tool_choice "auto": the model chooses between text and tool calls',
+        'allow tool_choice "auto" (and tools sent without a tool_choice): the model chooses '
+        "between text and tool calls; --no-enable-auto-tool-choice refuses them, as vLLM does",
     ),
     "enable_prompt_tokens_details": Flag(
         ("--enable-prompt-tokens-details",),

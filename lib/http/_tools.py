@@ -4,9 +4,10 @@ The model calls a tool by writing ``<tool_call>{"name": ..., "arguments": {...}}
 (Hermes, Qwen2.5, and trillm's default for models whose template knows no tools, SmolLM2 among
 them). `tool_choice` decides the grammar:
 
-- ``"required"`` or a named function: the output must be one call (or several, with
-  `parallel_tool_calls`) of an offered function, its arguments valid under its `parameters`:
-  a grammar of ``<tool_call>`` blocks around a JSON schema that is a `oneOf` of the functions.
+- ``"required"``: the output must be one call (or several, with `parallel_tool_calls`) of an
+  offered function, its arguments valid under its `parameters`: a grammar of
+  ``<tool_call>`` blocks around a JSON schema that is a `oneOf` of the functions.
+- a named function: exactly one call of it.
 - ``"auto"``: free text, with a call where the model chooses one; functions marked `strict`
   get their arguments constrained by a lazy grammar that starts at ``<tool_call>``.
 - ``"none"``: no tools in the prompt, no parsing.

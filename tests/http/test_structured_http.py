@@ -296,13 +296,21 @@ def test_bad_structured_input_is_a_400_naming_the_field(
     assert ok.choices[0].finish_reason is not None  # the server goes on
 
 
-def test_auto_tool_choice_needs_the_flag(server: Server) -> None:
-    r = httpx.post(
-        f"{server.base_url}/v1/chat/completions",
-        json={"messages": ASK, "tools": [WEATHER], "max_tokens": 5},
-        timeout=60,
-    )
-    assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
+def test_tools_without_a_tool_choice_are_auto_by_default_and_the_flag_refuses_them(
+    server: Server, tiny_model: Path
+) -> None:
+    body = {"messages": ASK, "tools": [WEATHER], "max_tokens": 5}
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text  # OpenAI's default: tools present, tool_choice auto
+    strict = start_server(tiny_model, "--no-enable-auto-tool-choice")
+    try:
+        for choice in ({}, {"tool_choice": "auto"}):
+            r = httpx.post(f"{strict.base_url}/v1/chat/completions", json=body | choice, timeout=60)
+            error = r.json()["error"]
+            assert r.status_code == 400 and "--no-enable-auto-tool-choice" in error["message"]
+            assert error["param"] == "tool_choice"
+    finally:
+        strict.stop()
 
 
 def big_schema() -> dict[str, object]:

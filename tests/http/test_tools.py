@@ -7,6 +7,13 @@ import json
 import llguidance
 import pytest
 
+from trillm.http._constraints import (
+    FunctionDef,
+    NamedFunction,
+    NamedToolChoice,
+    Tool,
+    constraint,
+)
 from trillm.http._tools import (
     ToolCallStream,
     auto_grammar,
@@ -49,6 +56,19 @@ def test_the_required_grammar_admits_calls_of_offered_functions_only(
     two = call + "\n" + '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
     assert not accepts(grammar, two, ll_tokenizer)
     assert accepts(required_grammar([WEATHER, TIME], parallel=True), two, ll_tokenizer)
+
+
+def test_a_named_tool_choice_admits_exactly_one_call_even_with_parallel_calls_on(
+    ll_tokenizer: llguidance.LLTokenizer,
+) -> None:
+    tools = [Tool("function", FunctionDef(**WEATHER)), Tool("function", FunctionDef(**TIME))]
+    named = NamedToolChoice("function", NamedFunction("get_time"))
+    made = constraint(structured_outputs=None, response_format=None, tools=tools, tool_choice=named)
+    assert made is not None and made.grammar is not None
+    call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    assert accepts(made.grammar, call, ll_tokenizer)
+    assert not accepts(made.grammar, call + "\n" + call, ll_tokenizer)
+    assert not accepts(made.grammar, call.replace("get_time", "get_weather"), ll_tokenizer)
 
 
 def test_the_auto_grammar_leaves_text_free_and_constrains_strict_calls(
@@ -132,3 +152,28 @@ def test_templates_without_tools_get_them_described_and_rendered() -> None:
         "</tool_call>",
     }
     assert messages[2] == {"role": "tool", "content": "<tool_response>\nsunny\n</tool_response>"}
+
+
+@pytest.mark.parametrize("piece", [1, 2, 5, 1000])
+def test_streamed_calls_carry_no_separator_content(piece: int) -> None:
+    from trillm.http._chat_output import ChatOutputParser
+
+    call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    for text, expected in [
+        (f"{call}\n{call}", ""),  # only calls: no content at all, as the whole response
+        (f"\n {call}\n\n{call}\n", ""),
+        (f"Checking.\n{call}", "Checking."),
+        (f"{call}\nDone, at noon.  ", "Done, at noon."),  # stripped, as the whole response
+        ("no call here \n", "no call here \n"),  # without a call the whitespace is content
+    ]:
+        parser = ChatOutputParser(reasoning_parser=None, tool_names={"get_time"})
+        content, calls = "", 0
+        for i in range(0, len(text), piece):
+            parts = parser.feed(text[i : i + piece])
+            content += parts.content
+            calls += sum("id" in d for d in parts.tool_calls)
+        rest = parser.finish()
+        content += rest.content
+        calls += sum("id" in d for d in rest.tool_calls)
+        assert content == expected, (text, piece)
+        assert calls == text.count("<tool_call>")
