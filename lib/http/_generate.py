@@ -20,7 +20,7 @@ from typing import Any
 
 import trio
 
-from ..engine.client import AsyncLLM, Output, PreparedRequest
+from ..engine.client import AsyncLLM, Output, PreparedRequest, TokenIds
 from . import _schemas as S
 from . import _tools_llama3 as L3
 from ._admission import Held
@@ -153,7 +153,7 @@ class Generation:
                 S.ResponseMeta.completion(self.config.served_model_name),
                 outputs,
                 n=params.n,
-                token_text=self._token_text,
+                token_text=self._token_text(request),
                 echo=echo,
                 prompt_tokens_details=self.config.enable_prompt_tokens_details,
             )
@@ -162,7 +162,7 @@ class Generation:
                 S.ResponseMeta.chat(self.config.served_model_name),
                 outputs,
                 n=params.n,
-                token_text=self._token_text,
+                token_text=self._token_text(request),
                 parser=parser,
                 prompt_tokens_details=self.config.enable_prompt_tokens_details,
             )
@@ -210,7 +210,7 @@ class Generation:
             else S.ResponseMeta.chat(model),
             chat=kind == "chat",
             n=params.n,
-            token_text=self._token_text,
+            token_text=self._token_text(request),
             include_usage=request.include_usage,
             echo=echo,
             parser=parser,
@@ -297,9 +297,11 @@ class Generation:
         timeout: float = self.config.write_timeout
         return min(timeout, DRAINING_LAST_WRITE_S) if self.draining else timeout
 
-    def _token_text(self, token_id: int) -> str:
-        text: str = self.llm.tokenizer.convert_ids_to_tokens(token_id)
-        return text
+    def _token_text(self, request: Any) -> S.TokenText:
+        """How the request's logprobs show tokens: their text (vLLM's, OpenAI's), or
+        "token_id:N" with vLLM's `return_tokens_as_token_ids`."""
+        pieces = self.llm.token_pieces
+        return TokenIds(pieces) if request.return_tokens_as_token_ids else pieces
 
     def _observe(self, output: Output, timing: RequestTiming) -> None:
         self.metrics.observe_request(

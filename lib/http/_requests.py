@@ -130,6 +130,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
+    return_tokens_as_token_ids: bool | None = False  # vLLM's: logprobs' tokens as "token_id:N"
     structured_outputs: StructuredOutputs | None = None  # vLLM's
     response_format: ResponseFormat | None = None  # OpenAI's
 

@@ -5,11 +5,12 @@ each choice. Streaming's per-response state is `_stream_chunker.StreamChunker`.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -19,7 +20,14 @@ from ._usage import Usage as Usage
 from ._usage import usage as usage
 from ._usage import usage_of as usage_of
 
-TokenText = Callable[[int], str]  # a token id's text, for logprobs (the tokenizer's)
+
+class TokenText(Protocol):
+    """A token id's text and bytes, as logprobs show them (`engine.client.TokenPieces`)."""
+
+    def __call__(self, token_id: int) -> str: ...
+
+    def bytes_of(self, token_id: int) -> bytes: ...
+
 
 SSE_DONE = b"data: [DONE]\n\n"
 MIN_LOGPROB = -9999.0  # vLLM's floor: JSON has no -inf
@@ -316,11 +324,14 @@ def _completion_logprobs(
 ) -> CompletionLogprobs:
     """The sampled token joins its top alternatives, as OpenAI's (up to logprobs + 1)."""
     out = CompletionLogprobs([], [], [], [])
+    # The offsets count the text's characters: a character split over tokens counts once,
+    # where its last byte arrives (each token's own text would count a U+FFFD per piece).
+    characters = codecs.getincrementaldecoder("utf-8")(errors="replace")
     for token_id, lp in entries:
         text = token_text(token_id)
         out.tokens.append(text)
         out.text_offset.append(offset)
-        offset += len(text)
+        offset += len(characters.decode(token_text.bytes_of(token_id)))
         if lp is None:
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
@@ -339,16 +350,15 @@ def _chat_logprobs(
         return None
     content = []
     for lp in logprobs:
-        token = token_text(lp.token_id)
-        top = [_top_logprob(token_text(t), v) for t, v in lp.top]
-        content.append(
-            ChatTokenLogprob(token, max(lp.logprob, MIN_LOGPROB), list(token.encode()), top)
-        )
+        token, raw = token_text(lp.token_id), list(token_text.bytes_of(lp.token_id))
+        top = [_top_logprob(token_text, t, v) for t, v in lp.top]
+        content.append(ChatTokenLogprob(token, max(lp.logprob, MIN_LOGPROB), raw, top))
     return ChatLogprobs(content)
 
 
-def _top_logprob(token: str, logprob: float) -> TopLogprob:
-    return TopLogprob(token, max(logprob, MIN_LOGPROB), list(token.encode()))
+def _top_logprob(token_text: TokenText, token_id: int, logprob: float) -> TopLogprob:
+    raw = list(token_text.bytes_of(token_id))
+    return TopLogprob(token_text(token_id), max(logprob, MIN_LOGPROB), raw)
 
 
 def _parsed_message(

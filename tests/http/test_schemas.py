@@ -51,8 +51,17 @@ from trillm.http._schemas import (
 VOCAB = {1: "Hello", 2: " world", 3: "!", 4: " there", 5: "Hi", 6: "é"}
 
 
-def token_text(token_id: int) -> str:
-    return VOCAB[token_id]
+class Pieces:
+    """`TokenText` over `VOCAB`: a token's text and its UTF-8 bytes."""
+
+    def __call__(self, token_id: int) -> str:
+        return VOCAB[token_id]
+
+    def bytes_of(self, token_id: int) -> bytes:
+        return VOCAB[token_id].encode()
+
+
+token_text = Pieces()
 
 
 def completion(**fields: Any) -> CompletionRequest:

@@ -39,3 +39,5 @@ from ._structured import MAX_GRAMMAR_BYTES as MAX_GRAMMAR_BYTES
 from ._structured import REASONING_PARSERS as REASONING_PARSERS
 from ._structured import StructuredOutputError as StructuredOutputError
 from ._structured import StructuredOutputs as StructuredOutputs
+from ._token_pieces import TokenIds as TokenIds
+from ._token_pieces import TokenPieces as TokenPieces

@@ -30,6 +30,7 @@ from ._restarts import RestartPolicy
 from ._sampling_params import SamplingParams
 from ._streams import RequestStream
 from ._structured import GrammarChecker, after_reasoning, build_ll_tokenizer
+from ._token_pieces import TokenPieces
 from ._tokenizer import load_tokenizer
 
 
@@ -46,6 +47,7 @@ class AsyncLLM:
         self._processor = OutputProcessor()
         self.engines = EnginePool(config, self._processor)
         self.ready: P.Ready
+        self.token_pieces: TokenPieces  # logprobs' token text and bytes, with the tokenizer
 
     @property
     def errored(self) -> bool:
@@ -292,6 +294,7 @@ class AsyncLLM:
         if tokenizer_error is not None:
             raise tokenizer_error
         self._inputs = InputProcessor(self.tokenizer, self.ready, self._chat_template)
+        self.token_pieces = TokenPieces(self.tokenizer)
         self.engines.start_tasks()
 
     def _tokenizer_path(self) -> str:
