@@ -218,25 +218,10 @@ class AsyncLLM:
         async with self.generate(self.apply_chat_template(messages), params) as stream:
             yield stream
 
-    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        """`prompt` as token ids (text is tokenised; ids are checked against the vocabulary).
-
-        Raises:
-            ValueError: an empty prompt or a token id outside the vocabulary.
-        """
-        return self._inputs.tokenize(prompt)
-
-    def check_length(self, num_prompt: int, params: SamplingParams) -> int:
-        """The request's max_tokens, checked against the model's maximum length.
-
-        Raises:
-            PromptTooLongError: prompt + max_tokens exceed it (the message quotes both).
-        """
-        return self._inputs.check_length(num_prompt, params)
-
     async def check_structured(self, params: SamplingParams) -> str:
         """The checked grammar of `params.structured_outputs` ("" for none), so a bad one is
-        refused before a response starts (`generate` checks it too: once, it is cached).
+        refused before a response starts (`prepare` calls it; a grammar is checked once, then
+        cached).
 
         Raises:
             StructuredOutputError: invalid, too large, or not checked in time.
