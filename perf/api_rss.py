@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,14 +24,19 @@ import time
 from pathlib import Path
 
 import httpx
+from compare import serving  # perf/ is scripts: the ones next to this
+from host_overhead import children, free_port
 
+# VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over exec from the parent, so a
+# child of a process that imported torch would report torch's size.
 IMPORT = (
-    "import resource, sys, time\n"
+    "import sys, time\n"
     "t = time.perf_counter()\n"
     "import trillm.http\n"
     "import trillm.http._server\n"
-    "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,"
-    " 'torch' in sys.modules)\n"
+    "seconds = time.perf_counter() - t\n"
+    "hwm = next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:'))\n"
+    "print(seconds, hwm, 'torch' in sys.modules)\n"
 )
 
 
@@ -57,46 +61,27 @@ def status_mib(pid: int, key: str) -> float:
     return 0.0
 
 
-def served_figures(model: Path) -> dict[str, object]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def served_figures(model: Path, log: Path) -> dict[str, object]:
+    port = free_port()
     argv = [
         sys.executable, "-m", "trillm.cli", "serve", str(model), "--port", str(port),
         "--served-model-name", "m", "--dtype", "float32", "--max-api-restarts", "0",
         "--kv-cache-memory-bytes", str(1 << 25),
     ]  # fmt: skip
-    server = subprocess.Popen(argv, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the server did not start (exit {server.poll()})")
-            time.sleep(0.2)
+    with serving("trillm", argv, port, log) as base:
+        (api,) = children(os.getpid())  # unsupervised: the process started is the API server
         body = {"model": "m", "prompt": "hello", "max_tokens": 4}
         httpx.post(f"{base}/v1/completions", json=body, timeout=60).raise_for_status()
         chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=60).raise_for_status()
         time.sleep(1.0)
-        with open(f"/proc/{server.pid}/maps") as f:
+        with open(f"/proc/{api}/maps") as f:
             torch_mapped = any("libtorch" in line for line in f)
         return {
-            "api_rss_mib": round(status_mib(server.pid, "VmRSS"), 1),
-            "api_rss_shmem_mib": round(status_mib(server.pid, "RssShmem"), 1),
+            "api_rss_mib": round(status_mib(api, "VmRSS"), 1),
+            "api_rss_shmem_mib": round(status_mib(api, "RssShmem"), 1),
             "api_maps_libtorch": torch_mapped,
         }
-    finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
 
 
 def tiny_model(path: Path) -> Path:
@@ -116,7 +101,7 @@ def main() -> None:
     figures |= import_figures(args.repeats)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or tiny_model(Path(tmp))
-        figures |= served_figures(model)
+        figures |= served_figures(model, Path(tmp) / "serve.log")
     print(json.dumps(figures))
 
 

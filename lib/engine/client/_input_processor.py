@@ -13,7 +13,6 @@ than that (runs of one character) is tokenised whole, as before.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -148,7 +147,6 @@ class InputProcessor:
             num_prompt_tokens=len(token_ids),
             prompt_token_ids=token_ids,
             logprobs=params.logprobs,
-            arrival_time=time.monotonic(),
         )
 
 

@@ -34,7 +34,6 @@ class RequestState:
     stop: StopChecker | None
     num_prompt_tokens: int
     logprobs: int | None  # top logprobs wanted per token, or None
-    arrival_time: float
     prompt_token_ids: list[int] = field(default_factory=list)
     num_output_tokens: int = 0
     finished: bool = False

@@ -19,7 +19,6 @@ def states(n: int) -> list[RequestState]:
             stop=None,
             num_prompt_tokens=1,
             logprobs=None,
-            arrival_time=0.0,
             on_engine=True,
         )
         for r in range(1, n + 1)
