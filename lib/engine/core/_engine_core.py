@@ -64,6 +64,10 @@ class EngineCore:
         self._draining_until: float | None = None
         self._needs_flush = False  # aborts to report even if nothing else runs
         self._rejected: list[int] = []  # invalid ADDs: reported as ERROR rows
+        # Control answers of calls read in the middle of a step, sent after its STEP record
+        # (None: not in a step). A pause answered before the step it interrupted was written
+        # let that step's tokens reach the frontend after the "paused" answer.
+        self._answers_after_step: list[P.UtilityResult] | None = None
         self._grammars: Grammars | None = None  # made at the first structured request
         # The requests of the step being executed (None between steps): if the step raises,
         # the DEAD record names them (`RemoteError.step_rnums`). The scheduler's own array:
@@ -136,10 +140,16 @@ class EngineCore:
         if len(batch.grammar_rnums) and self._grammars is not None:
             masks = self._grammars.start_masks(self.scheduler.grammar_states(batch))
         output = self.executor.execute(batch, masks)
-        self._drain_requests(block=False)  # aborts that arrived meanwhile drop their tokens
-        result = self.scheduler.update_from_output(batch, output)
-        self.step_rnums = None
-        self._write(result)
+        self._answers_after_step = []
+        try:
+            self._drain_requests(block=False)  # aborts that arrived meanwhile drop their tokens
+            result = self.scheduler.update_from_output(batch, output)
+            self.step_rnums = None
+            self._write(result)
+        finally:
+            answers, self._answers_after_step = self._answers_after_step, None
+        for answer in answers:
+            self._send_event(answer)
 
     def _flush(self) -> None:
         """Report aborts and rejected ADDs without scheduling (paused or asleep)."""
@@ -285,7 +295,11 @@ class EngineCore:
             result, ok = self._call(call.method, call.args), True
         except UtilityError as exc:
             result, ok = str(exc), False
-        self._send_event(P.UtilityResult(call.call_id, ok, result))
+        answer = P.UtilityResult(call.call_id, ok, result)
+        if self._answers_after_step is not None:  # read mid-step: answer after its record
+            self._answers_after_step.append(answer)
+        else:
+            self._send_event(answer)
 
     def _call(self, method: str, args: list[object]) -> object:
         if method not in P.UTILITY_METHODS:
