@@ -39,6 +39,8 @@ from ._errors import (
 from ._generate import Generation
 from ._metrics import Metrics
 from ._offload import default_threads
+from ._responses_api import ResponsesAPI, ResponsesRequest
+from ._responses_store import ResponseStore
 from ._schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -64,6 +66,7 @@ JSON = [(b"content-type", b"application/json")]
 S = TypeVar("S")
 MAX_HEADER_BYTES = 16 << 10  # request line and headers, however they arrive (h11, h2, h2c)
 OPEN_ROUTES = frozenset({"/health"})  # answered without the API key (routers probe it)
+ITEM_PREFIX = "/v1/responses/"  # GET and DELETE of a stored response
 DECODE_INLINE_BYTES = 32 << 10  # a smaller body decodes on the loop (under 0.5 ms)
 
 
@@ -88,6 +91,7 @@ class ServeConfig:
     enable_dev_endpoints: bool = False  # the control routes of `_dev_endpoints`
     profiler_dir: str | None = None  # where /start_profile's traces go
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
+    responses_store_size: int = 1024  # responses kept for GET and previous_response_id (LRU)
 
 
 class App:
@@ -110,7 +114,10 @@ class App:
             ("POST", "/detokenize"): self._detokenize,
             ("POST", "/v1/completions"): self._completions,
             ("POST", "/v1/chat/completions"): self._chat,
+            ("POST", "/v1/responses"): self._responses,
         }
+        self._item_routes = {"GET": self._get_response, "DELETE": self._delete_response}
+        self.responses = ResponsesAPI(self.generation, ResponseStore(config.responses_store_size))
         self.dev: DevEndpoints | None = None
         if config.enable_dev_endpoints:
             self.dev = DevEndpoints(llm, config.profiler_dir)
@@ -159,13 +166,18 @@ class App:
         # The key first: without it every path but the open ones is a 401, so a client
         # without the key cannot tell a route from a 404 or a 405.
         if path not in OPEN_ROUTES and self.config.api_key is not None:
-            expected = f"Bearer {self.config.api_key}".encode()
+            key = self.config.api_key.encode()
             # Constant time: the time taken must not tell a guesser how much of a key was right.
-            if not hmac.compare_digest(_header(scope, b"authorization") or b"", expected):
+            # Anthropic's clients send the key as x-api-key, OpenAI's as a bearer token.
+            bearer = hmac.compare_digest(_header(scope, b"authorization") or b"", b"Bearer " + key)
+            anthropic = hmac.compare_digest(_header(scope, b"x-api-key") or b"", key)
+            if not (bearer or anthropic):
                 raise unauthorized()
         handler = self._routes.get((method, path))
+        if handler is None and path.startswith(ITEM_PREFIX):  # /v1/responses/{id}
+            handler = self._item_routes.get(method)
         if handler is None:
-            if any(p == path for _, p in self._routes):
+            if any(p == path for _, p in self._routes) or path.startswith(ITEM_PREFIX):
                 raise RequestError(405, f"method {method} is not allowed on {path}")
             raise not_found(f"route {path}")
         return handler
@@ -313,6 +325,27 @@ class App:
             request = await self._decode(body, ChatCompletionRequest)
             self._check_model(request.model)
             await self.generation.chat(request, receive, send, extra, held)
+
+    async def _responses(
+        self, scope: Scope, receive: Receive, send: Send, extra: list[Any]
+    ) -> None:
+        body = await self._read_body(scope, receive)
+        with self._admitted() as held:
+            request = await self._decode(body, ResponsesRequest)
+            self._check_model(request.model)
+            await self.responses.create(request, held, receive, send, extra)
+
+    async def _get_response(
+        self, scope: Scope, receive: Receive, send: Send, extra: list[Any]
+    ) -> None:
+        stored = self.responses.store.get(scope["path"][len(ITEM_PREFIX) :])
+        await self._respond(send, 200, stored, extra)
+
+    async def _delete_response(
+        self, scope: Scope, receive: Receive, send: Send, extra: list[Any]
+    ) -> None:
+        body = self.responses.store.delete(scope["path"][len(ITEM_PREFIX) :])
+        await self._respond(send, 200, body, extra)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.served_model_name:

@@ -10,7 +10,8 @@ message, and their retry logic honours our `Retry-After`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import msgspec
 
@@ -95,6 +96,27 @@ def error_body(err: RequestError) -> bytes:
     return _encoder.encode(_ErrorBody(_ErrorInfo(err.message, err.type, err.param, err.code)))
 
 
+@contextmanager
+def fields_renamed(renames: Mapping[str, str]) -> Iterator[None]:
+    """Errors raised inside name the fields as the client sent them: an API translated into a
+    chat request (`max_tokens` is the Responses API's `max_output_tokens`) reports its own."""
+    try:
+        yield
+    except Exception as exc:
+        err = http_error(exc)
+        if err is None or err.param is None:
+            raise
+        head, sep, rest = err.param.partition(".")
+        renamed = renames.get(err.param) or renames.get(head)
+        if renamed is None:
+            raise
+        param = renamed if renames.get(err.param) else renamed + sep + rest
+        message = err.message.replace(err.param, param, 1)
+        raise RequestError(
+            err.status, message, err.type, param=param, code=err.code, headers=err.headers
+        ) from err
+
+
 def not_found(what: str, *, param: str | None = None, code: str | None = None) -> RequestError:
     """404: `what` (e.g. "the model 'gpt-4'") does not exist."""
     return RequestError(404, f"{what} does not exist", param=param, code=code)
@@ -114,7 +136,8 @@ def unauthorized() -> RequestError:
     """401: the API key is missing or wrong."""
     return RequestError(
         401,
-        "the API key is missing or invalid: send it as the header 'Authorization: Bearer <key>'",
+        "the API key is missing or invalid: send it as the header 'Authorization: Bearer <key>' "
+        "(or 'x-api-key: <key>', as Anthropic's clients do)",
         code="invalid_api_key",
         headers={"WWW-Authenticate": "Bearer"},
     )

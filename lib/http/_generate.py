@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -25,7 +26,7 @@ from . import _schemas as S
 from . import _tools_llama3 as L3
 from ._admission import Held
 from ._chat_output import ChatOutputParser
-from ._constraints import tool_choice_mode
+from ._constraints import function_dicts, tool_choice_mode
 from ._errors import RequestError, error_body, http_error, internal_error
 from ._inputs import Inputs
 from ._metrics import Metrics
@@ -39,6 +40,23 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 DRAINING_LAST_WRITE_S = 1.0  # a response's last writes once the server is shutting down
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 JSON = [(b"content-type", b"application/json")]
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """A chat request ready to run (`Generation.plan_chat`).
+
+    Attributes:
+        prepared: its one conversation, prepared (`AsyncLLM.prepare`).
+        parser: makes a choice's parser when the request needs one (tools, a reasoning
+            parser), else None: chat completions then sends the text as it is.
+        turn_parser: makes a choice's parser always (the block-shaped APIs read every turn
+            through one).
+    """
+
+    prepared: list[PreparedRequest]
+    parser: Callable[[], ChatOutputParser] | None
+    turn_parser: Callable[[], ChatOutputParser]
 
 
 class Generation:
@@ -88,6 +106,24 @@ class Generation:
         extra: list[Any],
         held: Held,
     ) -> None:
+        plan = await self.plan_chat(request, held)
+        if request.stream:
+            await self._stream(
+                plan.prepared, request, "chat", receive, send, extra, None, plan.parser
+            )
+        else:
+            await self._whole(
+                plan.prepared, request, "chat", receive, send, extra, None, plan.parser
+            )
+
+    async def plan_chat(self, request: S.ChatCompletionRequest, held: Held) -> ChatPlan:
+        """A chat request checked whole and ready to run: its prompt rendered and prepared,
+        and the parser its choices need (reasoning, tool calls). The Responses and Messages
+        APIs translate their requests into a chat request and run this same plan.
+
+        Raises:
+            RequestError: 400 naming the field (a bad tool choice, sampling value, prompt).
+        """
         mode = tool_choice_mode(request.tools, request.tool_choice)
         if mode == "auto" and not self.config.enable_auto_tool_choice:
             raise RequestError(
@@ -107,18 +143,19 @@ class Generation:
         prepared = await self.inputs.prompts([prompt], params)
         names = {f["name"] for f in functions} or None
         reasoning = self.llm.config.reasoning_parser  # the constraint's too: one setting
-        parser = None
-        if names or reasoning:
-            parser = partial(
-                ChatOutputParser,
-                reasoning_parser=reasoning,
-                tool_names=names,
-                tool_format=tool_format,
-            )
-        if request.stream:
-            await self._stream(prepared, request, "chat", receive, send, extra, None, parser)
-        else:
-            await self._whole(prepared, request, "chat", receive, send, extra, None, parser)
+        parser = partial(
+            ChatOutputParser, reasoning_parser=reasoning, tool_names=names, tool_format=tool_format
+        )
+        return ChatPlan(prepared, parser if names or reasoning else None, parser)
+
+    async def chat_tokens(self, request: S.ChatCompletionRequest) -> list[int]:
+        """The prompt `request` renders to, as token ids (its tools described as `plan_chat`
+        describes them), without running it: Anthropic's count_tokens."""
+        mode = tool_choice_mode(request.tools, request.tool_choice)
+        functions = function_dicts(request.tools or []) if mode != "none" else []
+        tool_format = self.config.tool_call_parser
+        tool_prompt = L3.TOOL_PROMPT if tool_format == "llama3_json" else DEFAULT_TOOL_PROMPT
+        return await self.inputs.chat_prompt(request.messages, functions, tool_prompt)
 
     # -- non-streaming -------------------------------------------------------------------
 
@@ -136,7 +173,7 @@ class Generation:
         params = prompts[0].params
         results: list[list[Output]] = [[] for _ in prompts]
         started = time.monotonic()
-        async with self._running(receive) as scope:
+        async with self.running(receive) as scope:
             await run_all(
                 [
                     bind(self._collect, prompt, results, i, started)
@@ -166,7 +203,7 @@ class Generation:
                 parser=parser,
                 prompt_tokens_details=self.config.enable_prompt_tokens_details,
             )
-        with trio.move_on_after(self._last_write_timeout()):
+        with trio.move_on_after(self.last_write_timeout()):
             await send({"type": "http.response.start", "status": 200, "headers": JSON + extra})
             await send({"type": "http.response.body", "body": body})
 
@@ -186,7 +223,7 @@ class Generation:
         base = index * prompt.params.n
         for output in outputs:
             output.index += base
-            self._observe(output, timing)
+            self.observe(output, timing)
         results[index] = outputs
 
     # -- streaming -----------------------------------------------------------------------
@@ -229,7 +266,7 @@ class Generation:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + extra})
         error: RequestError | None = None
         try:
-            async with self._running(receive) as scope:
+            async with self.running(receive) as scope:
                 await run_all(
                     [
                         bind(self._stream_one, prompt, i * params.n, chunker, write, started)
@@ -245,7 +282,7 @@ class Generation:
             if error is None:
                 log.exception("internal error in a stream")
                 error = internal_error(exc)
-        with trio.move_on_after(self._last_write_timeout()):
+        with trio.move_on_after(self.last_write_timeout()):
             if error is not None:
                 await write(S.sse(error_body(error)))
             elif request.include_usage:
@@ -281,17 +318,17 @@ class Generation:
                     for data in chunker.chunks(output):
                         await write(S.sse(data))
                     if output.finished:
-                        self._observe(output, timing)
+                        self.observe(output, timing)
                         finished += 1
         finally:  # a disconnect, a slow reader, a shutdown or an error ended the rest
             self.metrics.count_aborted(params.n - finished)
 
     # -- shared --------------------------------------------------------------------------
 
-    def _running(self, receive: Receive) -> RequestScope:
+    def running(self, receive: Receive) -> RequestScope:
         return RequestScope(self, receive)
 
-    def _last_write_timeout(self) -> float:
+    def last_write_timeout(self) -> float:
         """Seconds for a response's last writes: short once draining, so a client that stopped
         reading cannot hold the shutdown past its deadline (its request is already over)."""
         timeout: float = self.config.write_timeout
@@ -303,7 +340,7 @@ class Generation:
         pieces = self.llm.token_pieces
         return TokenIds(pieces) if request.return_tokens_as_token_ids else pieces
 
-    def _observe(self, output: Output, timing: RequestTiming) -> None:
+    def observe(self, output: Output, timing: RequestTiming) -> None:
         self.metrics.observe_request(
             ttft=timing.ttft,
             itl_list=timing.itl,

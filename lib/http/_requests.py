@@ -83,6 +83,9 @@ class ChatMessage(msgspec.Struct, frozen=True, gc=False):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
+    # an assistant turn's reasoning, as vLLM and Qwen3's template name it (a template that
+    # reads it shows it; the others drop it, as they drop it from their own turns)
+    reasoning_content: str | None = None
 
     @property
     def text(self) -> str:
@@ -103,6 +106,8 @@ def chat_template_messages(messages: Iterable[ChatMessage]) -> list[dict[str, An
             entry["tool_calls"] = [msgspec.to_builtins(c) for c in m.tool_calls]
         if m.tool_call_id is not None:
             entry["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            entry["reasoning_content"] = m.reasoning_content
         out.append(entry)
     return out
 

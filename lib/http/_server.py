@@ -125,6 +125,12 @@ SERVE_FLAGS = {
         "report usage.prompt_tokens_details.cached_tokens (prompt tokens found in the prefix "
         "cache); off, it is null: the count tells a client what others sent before",
     ),
+    "responses_store_size": Flag(
+        ("--responses-store-size",),
+        "responses the Responses API keeps in memory for GET /v1/responses/{id} and "
+        "previous_response_id, least recently used first out (0: keep none; all are lost "
+        "at a restart)",
+    ),
     "tool_call_parser": Flag(
         ("--tool-call-parser",),
         "the tool-call format: hermes (<tool_call>{...}</tool_call>) or llama3_json",
@@ -300,6 +306,11 @@ def _check_flags(flags: dict[str, Any], *, headless: bool) -> None:
     if flags["max_prompts_per_request"] < 1:
         raise ValueError(
             f"--max-prompts-per-request must be >= 1, got {flags['max_prompts_per_request']}"
+        )
+    if flags["responses_store_size"] < 0:
+        raise ValueError(
+            f"--responses-store-size must be >= 0 (0: store none), got "
+            f"{flags['responses_store_size']}"
         )
     if flags["request_body_timeout"] < 0:
         raise ValueError(
