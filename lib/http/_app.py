@@ -25,6 +25,8 @@ import trio
 from .. import __version__
 from ..engine.client import AsyncLLM, EngineDeadError
 from ._admission import Admission, Held
+from ._anthropic import MessagesAPI, anthropic_error_body
+from ._anthropic_schema import CountTokensRequest, MessagesRequest
 from ._dev_endpoints import DevEndpoints
 from ._errors import (
     RequestError,
@@ -67,6 +69,7 @@ S = TypeVar("S")
 MAX_HEADER_BYTES = 16 << 10  # request line and headers, however they arrive (h11, h2, h2c)
 OPEN_ROUTES = frozenset({"/health"})  # answered without the API key (routers probe it)
 ITEM_PREFIX = "/v1/responses/"  # GET and DELETE of a stored response
+ANTHROPIC_PREFIX = "/v1/messages"  # Anthropic's routes answer errors in Anthropic's shape
 DECODE_INLINE_BYTES = 32 << 10  # a smaller body decodes on the loop (under 0.5 ms)
 
 
@@ -115,9 +118,12 @@ class App:
             ("POST", "/v1/completions"): self._completions,
             ("POST", "/v1/chat/completions"): self._chat,
             ("POST", "/v1/responses"): self._responses,
+            ("POST", "/v1/messages"): self._messages,
+            ("POST", "/v1/messages/count_tokens"): self._count_tokens,
         }
         self._item_routes = {"GET": self._get_response, "DELETE": self._delete_response}
         self.responses = ResponsesAPI(self.generation, ResponseStore(config.responses_store_size))
+        self.messages = MessagesAPI(self.generation)
         self.dev: DevEndpoints | None = None
         if config.enable_dev_endpoints:
             self.dev = DevEndpoints(llm, config.profiler_dir)
@@ -144,7 +150,9 @@ class App:
             headers = [(k.encode(), v.encode()) for k, v in err.headers.items()]
             if err.status in (408, 431) and scope.get("http_version", "1.1").startswith("1"):
                 headers.append((b"connection", b"close"))  # HTTP/2 forbids the header
-            await self._respond(send, err.status, error_body(err), extra + headers)
+            anthropic = scope["path"].startswith(ANTHROPIC_PREFIX)
+            body = anthropic_error_body(err) if anthropic else error_body(err)
+            await self._respond(send, err.status, body, extra + headers)
 
     def _check_header_size(self, scope: Scope) -> None:
         """431 for a header block over the limit. hypercorn's own limits hold only for a block
@@ -334,6 +342,23 @@ class App:
             request = await self._decode(body, ResponsesRequest)
             self._check_model(request.model)
             await self.responses.create(request, held, receive, send, extra)
+
+    async def _messages(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
+        body = await self._read_body(scope, receive)
+        with self._admitted() as held:
+            request = await self._decode(body, MessagesRequest)
+            self._check_model(request.model)
+            await self.messages.create(request, held, receive, send, extra)
+
+    async def _count_tokens(
+        self, scope: Scope, receive: Receive, send: Send, extra: list[Any]
+    ) -> None:
+        body = await self._read_body(scope, receive)
+        with self.admission.hold():  # as /tokenize: it holds a tokenizer thread
+            request = await self._decode(body, CountTokensRequest)
+            self._check_model(request.model)
+            answer = await self.messages.count_tokens(request)
+        await self._respond(send, 200, answer, extra)
 
     async def _get_response(
         self, scope: Scope, receive: Receive, send: Send, extra: list[Any]
