@@ -96,8 +96,9 @@ class ChatOutputParser:
                 self._held = ""
         return parts
 
-    def finish(self) -> ChatParts:
-        """The rest: held-back text, an unclosed tag's text, as what it was inside."""
+    def finish(self, *, cut: bool = False) -> ChatParts:
+        """The rest: held-back text, an unclosed tag's text, as what it was inside. `cut`: the
+        token limit ended the choice, so an unclosed call is an incomplete call, not text."""
         parts = ChatParts()
         held, self._held = self._held, ""
         if self._state == "reasoning":
@@ -105,7 +106,7 @@ class ChatOutputParser:
         elif held:
             parts.add(self._content(held))
         if self._tools is not None:
-            content, deltas = self._tools.finish()
+            content, deltas = self._tools.finish(cut=cut)
             parts.add(ChatParts(content=self._unblank(content), tool_calls=deltas))
             if not self._tools.calls:  # no call came: the whitespace was content after all
                 parts.content += self._blank

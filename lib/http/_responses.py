@@ -365,7 +365,7 @@ def _parsed_message(
     parser: ChatOutputParser, output: Output
 ) -> tuple[ChatResponseMessage, str | None]:
     parts = parser.feed(output.text)
-    parts.add(parser.finish())
+    parts.add(parser.finish(cut=output.finish_reason == "length"))
     calls = [ToolCallOut(c.id, ToolCallFunctionOut(c.name, c.arguments)) for c in parser.tool_calls]
     message = ChatResponseMessage(parts.content.strip() if calls else parts.content)
     if calls:

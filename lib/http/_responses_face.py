@@ -145,7 +145,7 @@ class ResponsesFace:
                 content_index=0,
                 part=self._part(block),
             )
-        item = self._item(block, "completed")
+        item = self._item(block, _item_status(block))
         return data + self._event("response.output_item.done", **where, item=item)
 
     def _at(self, block: Block) -> dict[str, Any]:
@@ -204,7 +204,7 @@ class ResponsesFace:
     ) -> dict[str, Any]:
         r = self.request
         if output is None:
-            output = [self._item(b, "completed") for b in turn.blocks]
+            output = [self._item(b, _item_status(b)) for b in turn.blocks]
         c = turn.counts
         # Prefix-cache hits (and so the tokens computed and written) tell a client what others
         # sent before: reported only with --enable-prompt-tokens-details, as chat's are.
@@ -264,3 +264,8 @@ class ResponsesFace:
             "assistant", turn.text or None, tool_calls=calls or None, reasoning_content=reasoning
         )
         self.store.put(self.id, StoredResponse(body, (*self.messages, reply)))
+
+
+def _item_status(block: Block) -> str:
+    """An output item's final status: "incomplete" for the one the token limit cut off."""
+    return "completed" if block.complete else "incomplete"

@@ -77,7 +77,7 @@ class StreamChunker:
                 parser = self._parsers[index]
                 parts = parser.feed(output.text)
                 if output.finished:
-                    parts.add(parser.finish())
+                    parts.add(parser.finish(cut=output.finish_reason == "length"))
                     finish = tool_calls_finish(output.finish_reason, bool(parser.tool_calls))
                 elif not (parts.content or parts.reasoning or parts.tool_calls or output.logprobs):
                     if not started:  # the role chunk still comes first, with the first text

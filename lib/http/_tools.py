@@ -19,6 +19,7 @@ turn and asking for Hermes calls is what its own fine-tune data used.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -38,11 +39,16 @@ DEFAULT_TOOL_PROMPT = (
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One call the model made: its id, the function's name and its arguments (JSON text)."""
+    """One call the model made: its id, the function's name and its arguments (JSON text).
+
+    An incomplete call (`complete` False) is one the token limit cut off: its arguments are
+    the JSON text written so far, not valid JSON, as OpenAI shows a call that `max_tokens` ended.
+    """
 
     id: str
     name: str
     arguments: str
+    complete: bool = True
 
 
 def new_call_id() -> str:
@@ -183,6 +189,39 @@ def parse_tool_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
     return (content.strip(), stream.calls) if stream.calls else (text, [])
 
 
+# A call's JSON up to its arguments: `{"name": "...", "arguments": ` (or "parameters").
+_CALL_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"'  # the name, a JSON string
+    r'(?P<arguments>\s*,\s*"(?:arguments|parameters)"\s*:\s*)?'
+)
+
+
+def cut_call(body: str, names: set[str]) -> ToolCall | None:
+    """The call whose JSON `body` the token limit cut off, or None when it had not named an
+    offered function yet. A body whose JSON was whole (only the closing tag was cut) is a
+    complete call."""
+    head = _CALL_HEAD.match(body)
+    if head is None:
+        return None
+    try:
+        name = json.loads(f'"{head[1]}"')
+    except ValueError:
+        return None
+    if name not in names:
+        return None
+    whole = body.rstrip()
+    whole = whole[: len(whole) - _partial_suffix(whole, CLOSE)].rstrip()
+    call = _call(whole, names)
+    if call is not None:
+        return call
+    arguments = body[head.end() :] if head["arguments"] else ""
+    arguments = arguments[: len(arguments) - _partial_suffix(arguments, "\n" + CLOSE)]
+    try:  # whole arguments, the call's closing brace cut
+        return ToolCall(new_call_id(), name, json.dumps(_as_object(json.loads(arguments))))
+    except ValueError:
+        return ToolCall(new_call_id(), name, arguments, complete=False)
+
+
 def _call(body: str, names: set[str]) -> ToolCall | None:
     try:
         value = json.loads(body)
@@ -243,10 +282,15 @@ class ToolCallStream:
             self._buffer = self._buffer[end + len(CLOSE) :]
         return "".join(content), deltas
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """What is left when the completion ends (an unclosed block is content)."""
+    def finish(self, *, cut: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        """What is left when the completion ends. An unclosed block is content, unless the
+        token limit `cut` it after it named an offered function: then it is that call,
+        incomplete (its arguments as far as they came)."""
         rest, self._buffer = self._buffer, ""
-        return rest, []
+        call = cut_call(rest[len(OPEN) :], self._names) if cut and rest.startswith(OPEN) else None
+        if call is None:
+            return rest, []
+        return "", self._deltas(call)
 
     def _deltas(self, call: ToolCall) -> list[dict[str, Any]]:
         index = len(self.calls)

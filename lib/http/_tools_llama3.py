@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ._tools import ToolCall, call_deltas, compact, new_call_id
+from ._tools import ToolCall, call_deltas, compact, cut_call, new_call_id
 
 PYTHON_TAG = "<|python_tag|>"
 SEPARATOR = "; "
@@ -49,16 +49,18 @@ def required_grammar(functions: list[dict[str, Any]], *, parallel: bool) -> str:
     return f"start: call{repeat}\ncall: %json {schema}\n"
 
 
-def parse_calls(text: str, names: set[str]) -> list[ToolCall] | None:
-    """The calls `text` consists of, or None when it is not (only) calls of `names`."""
+def parse_calls(text: str, names: set[str], *, cut: bool = False) -> list[ToolCall] | None:
+    """The calls `text` consists of, or None when it is not (only) calls of `names`; when the
+    token limit `cut` it, its last call may be incomplete (`cut_call`)."""
     rest = text.strip().removeprefix(PYTHON_TAG).lstrip()
     decoder = json.JSONDecoder()
-    calls = []
+    calls: list[ToolCall] = []
     while rest:
         try:
             value, end = decoder.raw_decode(rest)
         except ValueError:
-            return None
+            last = cut_call(rest, names) if cut else None
+            return None if last is None else [*calls, last]
         if not isinstance(value, dict) or value.get("name") not in names:
             return None
         arguments = value.get("parameters", value.get("arguments", {}))
@@ -89,10 +91,11 @@ class Llama3CallStream:
             return out, []
         return "", []
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """The held-back reply: its calls' deltas if it was calls, else it as content."""
+    def finish(self, *, cut: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        """The held-back reply: its calls' deltas if it was calls (the last one incomplete
+        when the token limit `cut` it), else it as content."""
         text, self._buffer = self._buffer, ""
-        calls = parse_calls(text, self._names) if self._holding else None
+        calls = parse_calls(text, self._names, cut=cut) if self._holding else None
         if calls is None:
             return text, []
         self.calls.extend(calls)

@@ -26,12 +26,17 @@ BlockKind = Literal["reasoning", "text", "tool_call"]
 
 @dataclass
 class Block:
-    """One block of a turn: reasoning or text (its `text` so far), or a whole tool call."""
+    """One block of a turn: reasoning or text (its `text` so far), or a whole tool call.
+
+    `complete` is False for the block the token limit cut off (a call's arguments then are
+    the JSON text written so far).
+    """
 
     kind: BlockKind
     index: int
     text: str = ""
     call: ToolCall | None = None
+    complete: bool = True
 
 
 @dataclass(frozen=True)
@@ -68,8 +73,9 @@ class TurnBlocks:
     def feed(self, output: Output) -> list[BlockEvent]:
         """The events for `output` (one engine output of the turn's only choice)."""
         parts = self.parser.feed(output.text)
+        cut = output.finish_reason == "length"
         if output.finished:
-            parts.add(self.parser.finish())
+            parts.add(self.parser.finish(cut=cut))
         c = self.counts
         c.prompt_tokens = max(c.prompt_tokens, output.num_prompt_tokens)
         c.output_tokens = max(c.output_tokens, output.num_output_tokens)
@@ -83,12 +89,14 @@ class TurnBlocks:
             events += self._grow("text", parts.content)
         for call in self.parser.tool_calls[self._calls_seen :]:
             events += self._close()
-            block = Block("tool_call", len(self.blocks), call=call)
+            block = Block("tool_call", len(self.blocks), call=call, complete=call.complete)
             self.blocks.append(block)
             events += [BlockEvent("start", block), BlockEvent("delta", block, call.arguments)]
             events.append(BlockEvent("stop", block))
         self._calls_seen = len(self.parser.tool_calls)
         if output.finished:
+            if cut and self._open is not None:
+                self._open.complete = False
             events += self._close()
             self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
         return events

@@ -141,6 +141,23 @@ def test_a_streamed_call_assembles_in_the_sdks_stream_helper(server: Server) -> 
     assert "response.function_call_arguments.done" in kinds
 
 
+def test_a_call_cut_by_the_token_limit_is_an_incomplete_item(server: Server) -> None:
+    client = sdk(server)
+    named: Any = {"type": "function", "name": "get_time"}
+    ask: Any = dict(model="tiny", input="Time?", tools=TOOLS, tool_choice=named, temperature=0)
+    full = client.responses.create(**ask, max_output_tokens=40)
+    assert full.usage is not None and full.status == "completed"
+    cut = client.responses.create(**ask, max_output_tokens=full.usage.output_tokens - 12)
+    assert cut.status == "incomplete" and cut.incomplete_details is not None
+    assert cut.incomplete_details.reason == "max_output_tokens"
+    (call,) = cut.output
+    assert call.type == "function_call" and call.status == "incomplete"
+    (whole,) = full.output
+    assert whole.type == "function_call" and whole.status == "completed"
+    written = json.dumps(json.loads(whole.arguments), ensure_ascii=False)  # as generated
+    assert written.startswith(call.arguments) and call.arguments != written
+
+
 def test_a_json_schema_text_format_validates_streamed_and_not(server: Server) -> None:
     client = sdk(server)
     text: Any = {"format": {"type": "json_schema", "name": "item", "schema": ITEM, "strict": True}}

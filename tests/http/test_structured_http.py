@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import jsonschema
@@ -195,6 +196,34 @@ def test_streamed_tool_call_deltas_assemble_into_a_valid_call(agent_server: Serv
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls" and list(calls) == [0]
     jsonschema.validate(json.loads(calls[0]["arguments"]), PARAMS[calls[0]["name"]])
+
+
+def test_a_forced_call_cut_by_the_token_limit_is_an_incomplete_call(agent_server: Server) -> None:
+    """OpenAI's shape for a call that max_tokens ended: the call, its arguments as far as they
+    came, finish_reason "length", no content (the tags are never text), streamed or not."""
+    client, named = sdk(agent_server), {"type": "function", "function": {"name": "get_weather"}}
+    ask: Any = dict(model="tiny", messages=ASK, tools=[WEATHER], tool_choice=named, temperature=0)
+    full = client.chat.completions.create(**ask, max_tokens=200)
+    (whole,) = full.choices[0].message.tool_calls or []
+    written = json.dumps(json.loads(whole.function.arguments), ensure_ascii=False)  # as generated
+    assert full.usage is not None
+    for cut_at in range(full.usage.completion_tokens - 6, 0, -3):  # back past the closing tag
+        reply = client.chat.completions.create(**ask, max_tokens=cut_at)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "length" and choice.message.content is None
+        (call,) = choice.message.tool_calls or []
+        assert call.function.name == "get_weather" and call.id.startswith("call_")
+        if call.function.arguments != whole.function.arguments:
+            break
+    arguments = call.function.arguments
+    assert written.startswith(arguments) and arguments != written
+    chunks = list(client.chat.completions.create(**ask, max_tokens=cut_at, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert not "".join(d.content or "" for d in deltas)
+    streamed = "".join(
+        (t.function.arguments or "") for d in deltas for t in d.tool_calls or [] if t.function
+    )
+    assert streamed == arguments and chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_a_tool_result_round_trip_gets_an_answer(agent_server: Server) -> None:

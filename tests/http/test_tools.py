@@ -177,3 +177,33 @@ def test_streamed_calls_carry_no_separator_content(piece: int) -> None:
         calls += sum("id" in d for d in rest.tool_calls)
         assert content == expected, (text, piece)
         assert calls == text.count("<tool_call>")
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "arguments", "complete"),
+    [
+        ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UT', "", '{"zone": "UT', False),
+        ('Now: <tool_call>\n{"name": "get_time", "argu', "Now: ", "", False),
+        ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool', "", None, True),
+        ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}', "", None, True),
+        ('<tool_call>\n{"name": "get_ti', '<tool_call>\n{"name": "get_ti', None, None),
+        ('<tool_call>\n{"name": "other", "arguments": {', "", None, None),
+    ],
+)
+def test_a_call_the_token_limit_cut_is_an_incomplete_call(
+    text: str, content: str, arguments: str | None, complete: bool | None
+) -> None:
+    """Cut (finish reason "length"): a block that named an offered function is that call, its
+    arguments as far as they came; without the cut the same text is content, as ever."""
+    stream = ToolCallStream({"get_time"})
+    said, _ = stream.feed(text)
+    rest, deltas = stream.finish(cut=True)
+    if complete is None:  # no function named yet, or another one: the text stays content
+        assert said + rest == text and not stream.calls and not deltas
+        return
+    (call,) = stream.calls
+    assert said + rest == content and call.name == "get_time" and call.complete is complete
+    assert call.arguments == (arguments if arguments is not None else '{"zone": "UTC"}')
+    assert "".join(d["function"]["arguments"] for d in deltas) == call.arguments
+    uncut = ToolCallStream({"get_time"})
+    assert "".join(uncut.feed(text)[0] + uncut.finish()[0]) == text and not uncut.calls

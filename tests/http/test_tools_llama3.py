@@ -87,3 +87,17 @@ def test_a_server_with_the_llama3_parser_returns_valid_calls(tiny_model: Path) -
             jsonschema.validate(json.loads(call.function.arguments), schema)
     finally:
         assert server.stop() == 0
+
+
+def test_a_reply_the_token_limit_cut_ends_in_an_incomplete_call() -> None:
+    names = {"get_time"}
+    text = '{"name": "get_time", "parameters": {"zone": "UTC"}}; {"name": "get_time", "param'
+    stream = Llama3CallStream(names)
+    assert stream.feed(text) == ("", [])
+    assert stream.finish() == (text, [])  # not cut: not calls, so content
+    stream = Llama3CallStream(names)
+    stream.feed(text)
+    assert stream.finish(cut=True)[0] == ""
+    first, last = stream.calls
+    assert (first.complete, first.arguments) == (True, '{"zone": "UTC"}')
+    assert (last.complete, last.arguments, last.name) == (False, "", "get_time")

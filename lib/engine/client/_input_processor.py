@@ -146,6 +146,7 @@ class InputProcessor:
             stop=StopChecker(stops, params.include_stop_str_in_output) if stops else None,
             num_prompt_tokens=len(token_ids),
             prompt_token_ids=token_ids,
+            stop_token_ids=frozenset(params.stop_token_ids or ()),
             logprobs=params.logprobs,
         )
 

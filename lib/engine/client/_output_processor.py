@@ -35,6 +35,9 @@ class RequestState:
     num_prompt_tokens: int
     logprobs: int | None  # top logprobs wanted per token, or None
     prompt_token_ids: list[int] = field(default_factory=list)
+    # The request's own stop_token_ids: one of them ending it is its stop_reason, as in vLLM
+    # (EOS is no stop reason: None).
+    stop_token_ids: frozenset[int] = frozenset()
     num_output_tokens: int = 0
     finished: bool = False
     token_ids: list[int] = field(default_factory=list)
@@ -92,7 +95,7 @@ class OutputProcessor:
                     reason, stop_reason = "stop", state.stop.stop_string
                 elif reason is not None:
                     text += state.stop.flush()
-            if reason == "stop" and stop_reason is None and new:
+            if reason == "stop" and stop_reason is None and new and new[-1] in state.stop_token_ids:
                 stop_reason = new[-1]
             output = Output(
                 state.index,

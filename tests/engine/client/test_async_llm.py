@@ -114,6 +114,22 @@ async def test_stop_string_across_token_boundaries_is_excluded(llm: AsyncLLM) ->
     assert (await llm.complete("In the beginning", kept))[0].text == text[: text.index(stop)] + stop
 
 
+async def test_a_stop_token_is_the_stop_reason_and_eos_is_none(llm: AsyncLLM) -> None:
+    """vLLM's stop_reason: the id from stop_token_ids that ended the output; None for EOS."""
+    full = (await llm.complete("In the beginning", GREEDY)).pop()
+    token = full.token_ids[3]
+    params = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[token])
+    got = (await llm.complete("In the beginning", params))[0]
+    assert got.token_ids == full.token_ids[: full.token_ids.index(token) + 1]
+    assert (got.finish_reason, got.stop_reason) == ("stop", token)
+    eos = llm.tokenizer.eos_token_id
+    assert eos is not None
+    forced = SamplingParams(temperature=0.0, max_tokens=12, logit_bias={eos: 100.0})
+    ended = (await llm.complete("In the beginning", forced))[0]
+    assert ended.token_ids == [eos]
+    assert (ended.finish_reason, ended.stop_reason) == ("stop", None)
+
+
 async def test_a_slow_consumer_receives_every_token(llm: AsyncLLM) -> None:
     """A consumer that reads nothing while the engine finishes gets the rest in one merged
     output: causality, not timing (the other request cannot finish before this one)."""
