@@ -10,6 +10,8 @@ import signal
 from typing import Final
 
 _PR_SET_PDEATHSIG: Final = 1
+_PR_SET_NAME: Final = 15
+_COMM_BYTES: Final = 15  # TASK_COMM_LEN less the NUL
 
 
 class ParentDiedError(RuntimeError):
@@ -65,3 +67,21 @@ def process_state(pid: int) -> str:
     except OSError:
         pass
     return ""
+
+
+def set_title(title: str) -> None:
+    """Name this process `title` in `ps`, `top` and py-spy (trillm::api, trillm::engine, ...).
+
+    A nicety, never a reason to fail: `setproctitle` rewrites the whole command line where it
+    is installed; where it is not (a lent GPU machine's image lacks it), the kernel's short
+    name (/proc/self/comm, 15 bytes, what `top` and `ps -o comm` show) is set instead, and a
+    failure of that is ignored too. Imported here, not at module top, so that a missing
+    package cannot stop a process from starting.
+    """
+    try:
+        import setproctitle
+    except ImportError:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, title.encode()[:_COMM_BYTES], 0, 0, 0)
+        return
+    setproctitle.setproctitle(title)

@@ -38,12 +38,11 @@ import traceback
 from typing import Final
 
 import msgspec
-import setproctitle
 import torch
 import trio
 
 from ..config import WorkerConfig
-from ..process import ParentDiedError, die_with_parent
+from ..process import ParentDiedError, die_with_parent, set_title
 from ..transport_shm import Heartbeat, RingAddress, RingReader, RingWriter
 from ._config import torch_device
 from ._failure import WorkerFailure
@@ -166,7 +165,7 @@ def report_failure(results: RingWriter, rank: int, exc: BaseException) -> None:
 def run(args: WorkerProcessArgs) -> int:
     """Attach both rings, serve commands, and return the exit code (1 after a failure)."""
     die_with_parent(args.parent_pid)
-    setproctitle.setproctitle(f"trillm::worker_{args.rank}")  # `ps` and py-spy show the rank
+    set_title(f"trillm::worker_{args.rank}")  # `ps` and py-spy show the rank
     # Ctrl-C in a terminal reaches the whole process group; the executor decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if torch_device(args.config).type == "cpu":  # ranks share the cores, not each take all

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec.structs
-import setproctitle
 import trio
 from hypercorn.config import Config as HypercornConfig
 
@@ -38,6 +37,7 @@ from ..engine.client import (
     LLMConfig,
     open_llm,
 )
+from ..process import set_title
 from ._app import MAX_HEADER_BYTES, App, ServeConfig
 from ._connections import Connections
 from ._generate import DRAINING_LAST_WRITE_S
@@ -157,7 +157,7 @@ async def run_server(
         EngineDeadError: the engine died (after the grace period, or at shutdown if kept
             alive); the message names the root cause.
     """
-    setproctitle.setproctitle("trillm::api")  # `ps` and py-spy name the frontend
+    set_title("trillm::api")  # `ps` and py-spy name the frontend
     async with open_llm(config.llm) as llm:
         metrics = Metrics(config.http.served_model_name, len(llm.engines))
         metrics.set_cache_config(

@@ -50,9 +50,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import NoReturn
 
-import setproctitle
-
 from ..engine.client import RestartPolicy
+from ..process import set_title
 from ._server import ServerConfig
 
 CRASHED = 70  # the child's status after an uncaught exception (EX_SOFTWARE): restart it
@@ -79,7 +78,7 @@ def supervise(
     if not window > 0:
         raise ValueError(f"--api-restart-window must be > 0 seconds, got {window}")
     policy = RestartPolicy(max_restarts, window)
-    setproctitle.setproctitle("trillm::serve")  # the child is `trillm::api`
+    set_title("trillm::serve")  # the child is `trillm::api`
     with listening_socket(config.host, config.port) as sock, _SignalPipe() as signals:
         child_config = dataclasses.replace(config, listen_fd=sock.fileno())
         while True:

@@ -16,10 +16,9 @@ import sys
 import traceback
 
 import msgspec
-import setproctitle
 
 from ...gpu import open_model, raised_in
-from ...process import die_with_parent
+from ...process import die_with_parent, set_title
 from ...transport_shm import RingReader, RingWriter
 from ..protocol import _messages as P
 from ..protocol._config import EngineArgs, EngineConfig
@@ -74,7 +73,7 @@ def process_title(config: EngineConfig) -> str:
 
 def main(argv: list[str]) -> int:
     args = msgspec.json.decode(argv[1], type=EngineArgs)
-    setproctitle.setproctitle(process_title(args.config))
+    set_title(process_title(args.config))
     die_with_parent(args.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     return serve(args)
