@@ -138,6 +138,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     return_tokens_as_token_ids: bool | None = False  # vLLM's: logprobs' tokens as "token_id:N"
     structured_outputs: StructuredOutputs | None = None  # vLLM's
     response_format: ResponseFormat | None = None  # OpenAI's
+    cache_salt: str | None = None  # vLLM's: prefix-cache blocks shared only within one salt
 
     def __post_init__(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -344,6 +345,7 @@ def to_sampling_params(
                 request.include_stop_str_in_output, d.include_stop_str_in_output
             ),
             structured_outputs=structured,
+            cache_salt=request.cache_salt,
         )
         if vocab_size is not None:
             params.check_vocab(vocab_size)

@@ -257,6 +257,7 @@ def test_completion_fields_map_one_to_one() -> None:
         stop_token_ids=[7],
         include_stop_str_in_output=True,
         skip_special_tokens=False,
+        cache_salt="tenant",
     )
     assert to_sampling_params(request) == SamplingParams(
         max_tokens=7,
@@ -275,6 +276,7 @@ def test_completion_fields_map_one_to_one() -> None:
         stop_token_ids=[7],
         include_stop_str_in_output=True,
         skip_special_tokens=False,
+        cache_salt="tenant",
     )
 
 
@@ -340,6 +342,7 @@ def test_logit_bias_keys_are_token_ids_as_strings() -> None:
         ({"seed": -1}, "seed must be in [0, 2**63), got -1", "seed"),
         ({"min_tokens": 20}, "min_tokens must be <= max_tokens (16), got 20", "min_tokens"),
         ({"stop": [""]}, "stop strings must not be empty", "stop"),
+        ({"cache_salt": ""}, "cache_salt must be a non-empty string, or left out", "cache_salt"),
     ],
 )
 def test_out_of_range_values_are_a_400_naming_field_value_and_limit(

@@ -139,7 +139,7 @@ class AsyncLLM:
         if not isinstance(request, PreparedRequest):
             request = await self.prepare(request, params)
         params, token_ids = request.params, request.token_ids
-        engine = await self.engines.choose(token_ids)
+        engine = await self.engines.choose(token_ids, params.cache_salt or "")
         mailbox = Mailbox()
         states = [
             self._inputs.new_state(next(self._rnums), mailbox, i, token_ids, params)
@@ -157,7 +157,12 @@ class AsyncLLM:
                 state.grammar = request.grammar
                 try:
                     await engine.send_add(
-                        state.rnum, options, request.max_tokens, token_ids, request.grammar
+                        state.rnum,
+                        options,
+                        request.max_tokens,
+                        token_ids,
+                        request.grammar,
+                        cache_salt=state.cache_salt,
                     )
                 except trio.BrokenResourceError:
                     self.engines.check_engine(engine)

@@ -60,9 +60,13 @@ class EngineConnection:
         ids: Sequence[int] | np.ndarray,
         grammar: str = "",
         num_output_tokens: int = 0,
+        *,
+        cache_salt: str = "",
     ) -> Outgoing:
         """ADD `ids` (prompt, then `num_output_tokens` already generated when resumed)."""
-        add = P.AddHeader(rnum, options, max_tokens, time.time(), grammar, num_output_tokens)
+        add = P.AddHeader(
+            rnum, options, max_tokens, time.time(), grammar, num_output_tokens, cache_salt
+        )
         header = self._encoder.encode(add)
         tokens = np.asarray(ids, "<i4")
         _, size = P.add_size(header, len(tokens))

@@ -185,10 +185,14 @@ class EngineClient:
         ids: list[int],
         grammar: str = "",
         num_output_tokens: int = 0,
+        *,
+        cache_salt: str = "",
     ) -> None:
         """ADD `ids` (prompt, then `num_output_tokens` already generated when resumed)."""
-        conn = self.connection
-        await self.send(conn.encode_add(rnum, options, max_tokens, ids, grammar, num_output_tokens))
+        record = self.connection.encode_add(
+            rnum, options, max_tokens, ids, grammar, num_output_tokens, cache_salt=cache_salt
+        )
+        await self.send(record)
 
     async def send(self, record: Outgoing) -> None:
         async with self._send_lock:

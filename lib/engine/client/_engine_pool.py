@@ -119,9 +119,9 @@ class EnginePool:
         assert self.error is not None
         return self.error
 
-    async def choose(self, token_ids: Sequence[int]) -> EngineClient:
-        """The engine for a prompt (`_router`). While every engine restarts, wait for one (at
-        most `engine_restart_wait`) instead of failing.
+    async def choose(self, token_ids: Sequence[int], cache_salt: str = "") -> EngineClient:
+        """The engine for a prompt of a cache salt's tenant (`_router`). While every engine
+        restarts, wait for one (at most `engine_restart_wait`) instead of failing.
 
         Raises:
             EngineRestartingError: none came back in time (the restart goes on).
@@ -137,7 +137,7 @@ class EnginePool:
         live = self.live()
         if not live:
             raise EngineRestartingError(next(iter(self.errors.values())).error, wait)
-        return self.clients[self.router.choose(token_ids, live)]
+        return self.clients[self.router.choose(token_ids, live, cache_salt)]
 
     def serving(self, index: int | None) -> EngineClient:
         """Engine `index` if it serves (else why not), or the first serving one."""

@@ -148,6 +148,7 @@ class InputProcessor:
             prompt_token_ids=token_ids,
             stop_token_ids=frozenset(params.stop_token_ids or ()),
             logprobs=params.logprobs,
+            cache_salt=params.cache_salt or "",
         )
 
 

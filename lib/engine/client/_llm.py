@@ -239,7 +239,10 @@ class LLM:
             self._processor.add(state)
             open_rnums[rnum] = request
             options = request.params.child_options(index, vocab_size=vocab)
-            self._client.send_add(rnum, options, request.max_tokens, request.token_ids)
+            salt = request.params.cache_salt or ""
+            self._client.send_add(
+                rnum, options, request.max_tokens, request.token_ids, cache_salt=salt
+            )
 
     def _abandon(self, rnums: list[int]) -> None:
         """Forget unfinished children (an error or an interrupt ended the batch); abort them."""

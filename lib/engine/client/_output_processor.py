@@ -42,13 +42,14 @@ class RequestState:
     finished: bool = False
     token_ids: list[int] = field(default_factory=list)
     engine: int = 0  # the data-parallel engine it runs on
-    # What resuming it on a restarted engine needs: its options, token budget, grammar; how
-    # many engine deaths in a row it was in the failing step at, whether it is on the engine
-    # now (False while held for a restart or a quarantine turn) and whether it is quarantined
-    # (resumed alone among the suspects of a death: `_resume`).
+    # What resuming it on a restarted engine needs: its options, token budget, grammar, cache
+    # salt; how many engine deaths in a row it was in the failing step at, whether it is on
+    # the engine now (False while held for a restart or a quarantine turn) and whether it is
+    # quarantined (resumed alone among the suspects of a death: `_resume`).
     options: Any = None
     max_tokens: int = 0
     grammar: str = ""
+    cache_salt: str = ""
     deaths: int = 0
     on_engine: bool = False
     quarantined: bool = False

@@ -85,7 +85,9 @@ def poison_error(dead: EngineDeadError, state: RequestState) -> EngineDeadError:
 
 
 async def resend(engine: EngineClient, state: RequestState) -> None:
-    """ADD `state` to `engine` again: prompt + tokens streamed so far, the same budget.
+    """ADD `state` to `engine` again: prompt + tokens streamed so far, the same budget and
+    cache salt (a resumed request must not read another tenant's blocks, nor leave its own
+    to them).
 
     A seeded request continues from a derived seed (seed + tokens so far): the dead
     engine's generator position is gone with it. Prompt logprobs were already streamed.
@@ -96,7 +98,13 @@ async def resend(engine: EngineClient, state: RequestState) -> None:
         options = msgspec.structs.replace(options, seed=seed, prompt_logprobs=None)
     ids = [*state.prompt_token_ids, *state.token_ids]
     await engine.send_add(
-        state.rnum, options, state.max_tokens, ids, state.grammar, len(state.token_ids)
+        state.rnum,
+        options,
+        state.max_tokens,
+        ids,
+        state.grammar,
+        len(state.token_ids),
+        cache_salt=state.cache_salt,
     )
     state.on_engine = True
 

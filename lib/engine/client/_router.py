@@ -33,24 +33,25 @@ class EngineRouter:
         self.slack = slack
         self._prefixes: OrderedDict[tuple[int, int], int] = OrderedDict()
 
-    def _keys(self, token_ids: Sequence[int]) -> list[tuple[int, int]]:
-        """(length, hash) of each block-aligned prefix short of the whole prompt."""
+    def _keys(self, token_ids: Sequence[int], cache_salt: str) -> list[tuple[int, int]]:
+        """(length, hash) of each block-aligned prefix short of the whole prompt, within
+        its cache salt's tenant (another salt's blocks are not its to share)."""
         usable = (len(token_ids) - 1) // self.block_size  # the last token is always computed
         keys = []
         for blocks in PREFIX_BLOCKS:
             if blocks <= usable:
                 n = blocks * self.block_size
-                keys.append((n, hash(tuple(token_ids[:n]))))
+                keys.append((n, hash((cache_salt, tuple(token_ids[:n])))))
         return keys
 
-    def choose(self, token_ids: Sequence[int], live: Sequence[int]) -> int:
+    def choose(self, token_ids: Sequence[int], live: Sequence[int], cache_salt: str = "") -> int:
         """The engine for a prompt among the `live` ones; LookupError when there is none."""
         if not live:
             raise LookupError("no engine is alive")
         if len(self.loads) == 1:  # nothing to choose: no prefix bookkeeping per request
             return live[0]
         least = min(live, key=lambda i: self.loads[i])
-        keys = self._keys(token_ids)
+        keys = self._keys(token_ids, cache_salt)
         chosen = least
         for key in keys:
             engine = self._prefixes.get(key)

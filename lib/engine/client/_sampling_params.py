@@ -38,6 +38,7 @@ MIN_REPETITION_PENALTY = 1e-3  # logits / penalty stay finite in float32
 MAX_REPETITION_PENALTY = 1e3
 MAX_LOGIT_BIAS = 1024  # entries: each is a column written in every step
 MAX_STOP_TOKEN_IDS = 1024
+MAX_CACHE_SALT_LENGTH = 4096  # characters: it travels in every ADD and is hashed once
 
 _FLOAT_FIELDS = (
     "temperature",
@@ -108,6 +109,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # Structured outputs: the output must match this (checked by `AsyncLLM` before the
     # request starts; the engine enforces it with a token mask every step).
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's: requests share prefix-cache blocks only with requests of the same salt (a
+    # tenant's key); None shares with the other unsalted requests. Mixed into the first
+    # block's hash by the engine; not a sampling setting, but it travels with the request.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -115,6 +120,22 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         self._validate_lengths()
         self._validate_floats()
         self._validate_tokens()
+        self._validate_cache_salt()
+
+    def _validate_cache_salt(self) -> None:
+        salt = self.cache_salt
+        if salt is None:
+            return
+        if not salt:  # vLLM refuses it too: it would read as "no salt"
+            raise SamplingParamsError(
+                "cache_salt", salt, "cache_salt must be a non-empty string, or left out"
+            )
+        if len(salt) > MAX_CACHE_SALT_LENGTH:
+            raise SamplingParamsError(
+                "cache_salt",
+                salt,
+                f"cache_salt must be at most {MAX_CACHE_SALT_LENGTH} characters, got {len(salt)}",
+            )
 
     def _validate_lengths(self) -> None:
         _require(1 <= self.n <= MAX_N, "n", self.n, f"between 1 and {MAX_N}")

@@ -70,9 +70,12 @@ class SyncEngineClient:
 
     # -- sending ---------------------------------------------------------------------------
 
-    def send_add(self, rnum: int, options: Any, max_tokens: int, ids: list[int]) -> None:
+    def send_add(
+        self, rnum: int, options: Any, max_tokens: int, ids: list[int], *, cache_salt: str = ""
+    ) -> None:
         """ADD request `rnum`: prompt `ids`, at most `max_tokens` new ones."""
-        self._send(self.connection.encode_add(rnum, options, max_tokens, ids))
+        record = self.connection.encode_add(rnum, options, max_tokens, ids, cache_salt=cache_salt)
+        self._send(record)
 
     def send_abort(self, rnums: list[int]) -> None:
         self._send(self.connection.encode_abort(rnums))

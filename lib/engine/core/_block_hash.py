@@ -3,9 +3,10 @@
 A full block is named by `sha256(parent || len(extra) || extra || token_ids)`: its parent's
 32-byte digest (the previous block's hash, or the root for a request's first block), the
 length (u32, little-endian) and bytes of `extra` (what besides the tokens decides the block's
-KV: the request's cache salt and LoRA adapter, once those exist), and the block's token ids
-as int32 little-endian. Every part has a fixed or stated length, so different inputs never
-concatenate to the same bytes, and a hash names its whole prefix.
+KV: the request's cache salt, in its first block only, and a LoRA adapter's identity, once
+adapters exist), and the block's token ids as int32 little-endian. Every part has a fixed or
+stated length, so different inputs never concatenate to the same bytes, and a hash names its
+whole prefix.
 
 Why not Python's `hash()` (what this replaced): integers and tuples hash the same in every
 process whatever PYTHONHASHSEED says, and 64 bits are few, so two prompts with the same

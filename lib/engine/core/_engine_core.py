@@ -221,6 +221,7 @@ class EngineCore:
                 max_tokens=header.max_tokens,
                 eos_token_id=self.eos_token_id,
                 arrival_time=header.arrival_time,
+                cache_salt=header.cache_salt,
             )
             if header.grammar:
                 request.status = RequestStatus.WAITING_FOR_GRAMMAR

@@ -42,6 +42,9 @@ class Request:
     max_tokens: int
     eos_token_id: int | None = None
     arrival_time: float = 0.0
+    # vLLM's cache_salt: mixed into the first block's hash, so requests with another salt
+    # (or none) never share this one's cached blocks ("": none).
+    cache_salt: str = ""
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in this request's blocks
     num_cached_tokens: int = 0  # prefix-cache hits when first scheduled

@@ -78,6 +78,8 @@ class AddHeader(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, f
     # that follow were generated before (outputs, not prompt: penalties, min_tokens and
     # max_tokens count them, a grammar replays them).
     num_output_tokens: int = 0
+    # vLLM's cache_salt ("": none): mixed into the first block's hash (`core._kv_cache_manager`).
+    cache_salt: str = ""
 
 
 class UtilityCall(msgspec.Struct, array_like=True, gc=False, frozen=True):

@@ -1,12 +1,20 @@
-"""`judge`: which request a death is blamed on, told from its batch-mates (no processes)."""
+"""`judge`: which request a death is blamed on, told from its batch-mates; `resend`: what a
+resumed request carries (no processes)."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import msgspec
+
+from trillm.engine.client._connection import EngineConnection
 from trillm.engine.client._errors import EngineDeadError
 from trillm.engine.client._output_processor import RequestState
 from trillm.engine.client._outputs import Mailbox
-from trillm.engine.client._resume import judge, poison_error
+from trillm.engine.client._resume import judge, poison_error, resend
 from trillm.engine.protocol import RemoteError
+from trillm.engine.protocol import _messages as P
+from trillm.wire import SamplingOptions
 
 
 def states(n: int) -> list[RequestState]:
@@ -93,3 +101,29 @@ def test_the_poison_error_names_the_cause_and_the_resumes() -> None:
         "the engine died: InjectedFault in engine: boom (this request was in the engine's "
         "batch at 2 deaths in a row and was resumed once; it is not resumed again)"
     )
+
+
+class _Recorder:
+    """An engine that keeps the ADD records it is sent, encoded as the real client does."""
+
+    def __init__(self) -> None:
+        self.records: list[bytearray] = []
+
+    async def send_add(self, *args: Any, **kwargs: Any) -> None:
+        record = EngineConnection().encode_add(*args, **kwargs)
+        payload = bytearray(record.size)
+        record.write(memoryview(payload))
+        self.records.append(payload)
+
+
+async def test_a_resumed_request_keeps_its_cache_salt() -> None:
+    (state,) = states(1)
+    state.options, state.max_tokens, state.cache_salt = SamplingOptions(), 8, "tenant-a"
+    state.prompt_token_ids, state.token_ids = [5, 6, 7], [8, 9]
+    engine = _Recorder()
+    await resend(engine, state)  # type: ignore[arg-type]
+    header, tokens = P.unpack_add(
+        memoryview(engine.records[0]), msgspec.msgpack.Decoder(P.AddHeader)
+    )
+    assert header.cache_salt == "tenant-a" and header.num_output_tokens == 2
+    assert tokens.tolist() == [5, 6, 7, 8, 9]

@@ -70,6 +70,12 @@ VOCAB = 49152
             "the number of stop_token_ids must be <= 1024, got 1025",
         ),
         ({"seed": -1}, "seed", "seed must be in [0, 2**63), got -1"),
+        ({"cache_salt": ""}, "cache_salt", "cache_salt must be a non-empty string, or left out"),
+        (
+            {"cache_salt": "s" * 4097},
+            "cache_salt",
+            "cache_salt must be at most 4096 characters, got 4097",
+        ),
         ({"seed": 2**63}, "seed", f"seed must be in [0, 2**63), got {2**63}"),
         (
             {"logit_bias": {5: 150.0}},

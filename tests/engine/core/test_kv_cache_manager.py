@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from trillm.engine.core._block_hash import hash_block_tokens
 from trillm.engine.core._block_pool import BlockPool
 from trillm.engine.core._kv_cache_manager import KVCacheManager
 from trillm.engine.core._request import Request, RequestStatus
@@ -192,3 +193,38 @@ def test_block_pool_take_evicts_hashes() -> None:
     assert pool.get_cached_block(1234) == block
     pool.take(2)
     assert pool.get_cached_block(1234) is None and pool.num_free_blocks == 0
+
+
+def salted(rnum: int, prompt: list[int], salt: str) -> Request:
+    request = make_request(rnum, prompt)
+    request.cache_salt = salt
+    return request
+
+
+def test_cache_salts_isolate_tenants_as_the_hit_counters_show() -> None:
+    """Same prompt and salt hit; another salt misses; no salt is a tenant of its own."""
+    kv = KVCacheManager(64, BS)
+    prompt = list(range(13))  # three full blocks: 12 tokens can hit
+    admit(kv, salted(1, prompt, "tenant-a"))
+    assert kv.prefix_cache_hits == 0
+    admit(kv, salted(2, prompt, "tenant-a"))
+    assert kv.prefix_cache_hits == 12
+    admit(kv, salted(3, prompt, "tenant-b"))
+    assert kv.prefix_cache_hits == 12  # another salt: every block missed
+    admit(kv, make_request(4, prompt))
+    assert kv.prefix_cache_hits == 12  # no salt is not a salt's tenant either
+    admit(kv, make_request(5, prompt))
+    assert kv.prefix_cache_hits == 24  # ... but shares with the other unsalted requests
+    admit(kv, salted(6, prompt, "tenant-b"))
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (6 * 13, 36)
+
+
+def test_the_salt_is_mixed_into_the_first_block_only() -> None:
+    prompt = list(range(9))
+    plain, salt = make_request(1, prompt), salted(2, prompt, "s")
+    kv = KVCacheManager(16, BS)
+    kv.get_computed_blocks(plain)
+    kv.get_computed_blocks(salt)
+    assert salt.block_hashes[0] == hash_block_tokens(kv.root_hash, prompt[:BS], b"s")
+    assert salt.block_hashes[1] == hash_block_tokens(salt.block_hashes[0], prompt[BS : 2 * BS])
+    assert set(salt.block_hashes).isdisjoint(plain.block_hashes)  # the chain carries it
