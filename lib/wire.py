@@ -3,6 +3,9 @@
 - `SamplingOptions`: one request's validated sampling settings. The frontend's `SamplingParams`
   converts to it, ADD carries it to the engine, the scheduler hands it to the sampler. Field
   order is wire ABI: append new fields at the end.
+- `PoolingType`: what a pooling request (embeddings, scores) returns instead of tokens; it
+  rides in `SamplingOptions.pooling`, the one per-request record that reaches the scheduler,
+  the runner and a resumed request alike.
 - `KernelChoice`: the kernels a worker chose at load (`trillm.gpu._kernels.choose_kernels`);
   READY carries it to the frontend for the start-up line, `/version` and the
   `trillm:kernel_info` metric.
@@ -12,7 +15,24 @@ They live outside `trillm.gpu` so that the API process never loads torch to read
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
+
+
+class PoolingType(enum.IntEnum):
+    """How a pooling request's prompt hidden states become its result (vLLM's names).
+
+    NONE is generation. LAST: the last token's (a decoder's sentence embedding); MEAN: the
+    average over the prompt; CLS: the first token's; ALL: one row per prompt token. Only LAST
+    can start from prefix-cache hits: the others read every position's hidden state.
+    """
+
+    NONE = 0
+    LAST = 1
+    MEAN = 2
+    CLS = 3
+    ALL = 4
 
 
 class SamplingOptions(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
@@ -32,6 +52,13 @@ class SamplingOptions(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     ignore_eos: bool = False  # (the engine stops on EOS; the sampler only masks it, above)
     logprobs: int | None = None  # None: none; k >= 0: sampled token's logprob and top k
     prompt_logprobs: int | None = None  # None: none; k >= 0: per prompt position, top k
+    # A `PoolingType` other than NONE: a prefill-only request that samples nothing; its
+    # pooled hidden states come back in the STEP record's pooled section, and it ends there.
+    pooling: int = 0
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling != PoolingType.NONE
 
     @property
     def is_greedy(self) -> bool:

@@ -5,7 +5,8 @@ tokens (`InputBatch.prepare`, vectorised), arm the fault hook, run the forward o
 batch by the one path `choose_path` picks (`_forward`: a CUDA-graph replay, the C step, C's
 attention in the torch forward, or the torch forward with its attention metadata), compute
 logits only for the rows that reach their sequence's end (and for prompt positions of `echo`
-requests), sample, and append the sampled tokens to the persistent rows.
+requests), sample, and append the sampled tokens to the persistent rows. Pooling requests
+(embeddings) sample nothing: their rows go to the `Pooler`, which returns one float32 block.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ._input_batch import InputBatch, StepInputs
 from ._kernels import choose_kernels
 from ._model_config import ModelConfig
 from ._parallel import TensorParallel
+from ._pooler import Pooler
 from ._sampler import Sampler, SamplerOutput, compute_logprobs
 from ._sampling_batch import RequestSamplingState, SamplingBatch
 from ._step_batch import PromptLogprobs, RunnerOutput, StepBatch
@@ -58,7 +60,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.inputs = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size)
-        self.sampling: dict[int, RequestSamplingState] = {}
+        self.sampling: dict[int, RequestSamplingState] = {}  # generation requests only
+        self.pooler = Pooler()  # pooling requests (embeddings): they sample nothing
         self.sampler = Sampler()
         self.kv_caches: list[KVCache] = []
         self.attention: AttentionBackend | None = None  # made by init_kv_cache
@@ -205,10 +208,22 @@ class ModelRunner:
         hidden = self._forward(choose_path(inputs, self.graphs, self.cpu_step, fault=fault), inputs)
         prompt_logprobs = self._prompt_logprobs(batch, inputs, hidden)
         self.inputs.advance(inputs)
-        sampling = np.flatnonzero(inputs.samples)
+        samples, pooled_rnums, pooled = inputs.samples, None, None
+        if self.pooler:
+            is_pooling, pooled_rnums, pooled = self.pooler.pool(
+                batch.scheduled_rnums.tolist(), inputs, hidden
+            )
+            samples = samples & ~is_pooling
+        sampling = np.flatnonzero(samples)
         rnums = batch.scheduled_rnums[sampling]
         if not len(sampling):
-            return RunnerOutput(rnums, np.zeros(0, np.int32), prompt_logprobs=prompt_logprobs)
+            return RunnerOutput(
+                rnums,
+                np.zeros(0, np.int32),
+                prompt_logprobs=prompt_logprobs,
+                pooled_rnums=pooled_rnums,
+                pooled=pooled,
+            )
         last = inputs.token_starts[sampling] + inputs.counts[sampling] - 1
         logits = (self.cpu_step or self.model).compute_logits(hidden[self._tensor(last)])
         if len(batch.grammar_rnums):
@@ -216,7 +231,9 @@ class ModelRunner:
             apply_grammar_bitmask(logits, rnums, batch.grammar_rnums, bitmask)
         states = [self.sampling[int(r)] for r in rnums]
         sampled = self.sampler(logits, self._sampling_batch(states))
-        return self._finish(inputs, sampling, rnums, states, sampled, prompt_logprobs)
+        output = self._finish(inputs, sampling, rnums, states, sampled, prompt_logprobs)
+        output.pooled_rnums, output.pooled = pooled_rnums, pooled
+        return output
 
     def _forward(self, path: Path, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of the step's tokens, by `path` (`choose_path`)."""
@@ -256,11 +273,17 @@ class ModelRunner:
         for rnum in rnums.tolist():
             self.inputs.remove(rnum)
             self.sampling.pop(rnum, None)
+            self.pooler.remove(rnum)
 
     def _update_requests(self, batch: StepBatch) -> None:
         self.remove_requests(batch.finished_rnums)
         for request in batch.new_requests:
             self.inputs.add(request)
+            if request.options.is_pooling:
+                self.pooler.add(
+                    request.rnum, request.options.pooling, len(request.prompt_token_ids)
+                )
+                continue
             state = RequestSamplingState(
                 request.options, np.asarray(request.prompt_token_ids, np.int32), self.device
             )
@@ -340,7 +363,8 @@ class ModelRunner:
         """Logprobs of the prompt tokens this step covers, for requests that asked (echo)."""
         result: dict[int, PromptLogprobs] = {}
         for i, rnum in enumerate(batch.scheduled_rnums.tolist()):
-            k = self.sampling[rnum].options.prompt_logprobs
+            state = self.sampling.get(rnum)  # None: a pooling request
+            k = None if state is None else state.options.prompt_logprobs
             row = int(inputs.rows[i])
             prompt_len = int(self.inputs.num_prompt_tokens[row])
             start = int(inputs.context_lens[i] - inputs.counts[i])

@@ -72,6 +72,10 @@ class RunnerOutput:
     topk_ids: np.ndarray | None = None  # [n, k] int32
     topk_logprobs: np.ndarray | None = None  # [n, k] float32
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
+    # Pooling requests whose prompt ended this step: one contiguous float32 block, a row per
+    # request (ALL pooling: a row per prompt token, consecutive), and each row's request.
+    pooled_rnums: np.ndarray | None = None  # [m] uint64
+    pooled: np.ndarray | None = None  # [m, hidden] float32
 
 
 class _WireStep(msgspec.Struct, array_like=True, gc=False):
@@ -151,6 +155,9 @@ class _WireOutput(msgspec.Struct, array_like=True, gc=False):
     topk_ids: bytes | None
     topk_logprobs: bytes | None
     prompt_logprobs: list[_WirePromptLogprobs]
+    pooled_rnums: bytes | None = None
+    pooled_dim: int = 0
+    pooled: bytes | None = None
 
 
 def _raw(array: np.ndarray | None, dtype: str) -> bytes | None:
@@ -193,6 +200,10 @@ class RunnerOutputCodec:
             _raw(output.topk_logprobs, "<f4"),
             prompt,
         )
+        if output.pooled is not None:
+            wire.pooled_rnums = _raw(output.pooled_rnums, "<u8")
+            wire.pooled_dim = int(output.pooled.shape[1])
+            wire.pooled = _raw(output.pooled, "<f4")
         self._encoder.encode_into(wire, buffer)
 
     def decode(self, data: bytes | memoryview) -> RunnerOutput:
@@ -212,4 +223,6 @@ class RunnerOutputCodec:
             _array(wire.topk_ids, "<i4", wire.k),
             _array(wire.topk_logprobs, "<f4", wire.k),
             prompt,
+            _array(wire.pooled_rnums, "<u8"),
+            _array(wire.pooled, "<f4", wire.pooled_dim),
         )

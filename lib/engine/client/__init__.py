@@ -5,6 +5,7 @@ Everything here runs in the API-server process. It starts the engine process by 
 point name and speaks to it only through `..protocol`; it imports nothing from `..core`.
 """
 
+from ...wire import PoolingType as PoolingType
 from ..protocol import EngineConfig as EngineConfig
 from ..protocol import EngineConfigError as EngineConfigError
 from ..protocol import FinishReason as FinishReason
@@ -24,6 +25,11 @@ from ._launch import EngineStartError as EngineStartError
 from ._llm import LLM as LLM
 from ._outputs import Output as Output
 from ._outputs import TokenLogprob as TokenLogprob
+from ._pooling import PoolerConfig as PoolerConfig
+from ._pooling import PoolerConfigError as PoolerConfigError
+from ._pooling import PoolingOutput as PoolingOutput
+from ._pooling import finish_embedding as finish_embedding
+from ._pooling import load_pooler_config as load_pooler_config
 from ._prepared import PreparedRequest as PreparedRequest
 from ._regex_size import MAX_REGEX_OPTIONALS as MAX_REGEX_OPTIONALS
 from ._request_output import CompletionOutput as CompletionOutput

@@ -18,13 +18,15 @@ from typing import Any
 
 import trio
 
+from ...wire import PoolingType, SamplingOptions
 from ..protocol import _messages as P
 from ._config import LLMConfig
 from ._engine_pool import EnginePool
-from ._errors import EngineDeadError
+from ._errors import EngineDeadError, PromptTooLongError, RequestFailedError
 from ._input_processor import InputProcessor
 from ._output_processor import OutputProcessor
 from ._outputs import Mailbox, Output
+from ._pooling import PoolingOutput
 from ._prepared import PreparedRequest
 from ._restarts import RestartPolicy
 from ._sampling_params import SamplingParams
@@ -192,6 +194,75 @@ class AsyncLLM:
                 else:
                     merged[output.index] = output
         return [merged[i] for i in sorted(merged)]
+
+    async def encode(
+        self,
+        prompt: str | Sequence[int],
+        pooling: PoolingType = PoolingType.LAST,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        run: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None,
+    ) -> PoolingOutput:
+        """Pool `prompt`'s final hidden states (embeddings): a prefill-only request in the
+        same engine as generation, which samples nothing and ends the step its prompt does.
+        The rows come raw (float32, neither cut nor normalised: `_pooling.finish_embedding`).
+
+        Args:
+            truncate_prompt_tokens: keep only the prompt's last this many tokens (vLLM's).
+            run: runs the tokenising (the server hands it to a thread when it is large).
+
+        Raises:
+            InvalidPromptError: an empty prompt or a token id outside the vocabulary.
+            PromptTooLongError: more tokens than the model's maximum length (param "input").
+            EngineDeadError: every engine died.
+        """
+        self.engines.check_alive()
+        limit = self.ready.max_model_len
+
+        def checked() -> list[int]:
+            ids = self._inputs.tokenize(prompt)
+            if truncate_prompt_tokens is not None:
+                ids = ids[-truncate_prompt_tokens:]
+            if len(ids) > limit:
+                raise PromptTooLongError(
+                    f"the input has {len(ids)} tokens, more than the model's maximum length "
+                    f"{limit}: shorten it, or set truncate_prompt_tokens to cut it",
+                    "input",
+                )
+            return ids
+
+        ids: list[int] = checked() if run is None else await run(checked)
+        options = SamplingOptions(pooling=int(pooling))
+        engine = await self.engines.choose(ids)
+        mailbox = Mailbox()
+        state = self._inputs.new_state(next(self._rnums), mailbox, 0, ids, SamplingParams())
+        state.engine, state.options, state.max_tokens = engine.index, options, 1
+        self._processor.add(state)
+        self.engines.router.loads[engine.index] += 1
+        try:
+            try:
+                await engine.send_add(state.rnum, options, 1, ids)
+            except trio.BrokenResourceError:
+                self.engines.check_engine(engine)
+                raise
+            state.on_engine = True
+            while True:
+                for output in await mailbox.get():
+                    if not output.finished:
+                        continue
+                    if output.pooled is None:
+                        raise RequestFailedError(
+                            f"the pooling request ended ({output.finish_reason}) without a result"
+                        )
+                    return PoolingOutput(output.pooled, len(ids), output.num_cached_tokens)
+        finally:
+            self.engines.router.loads[engine.index] -= 1
+            if not state.finished:
+                self._processor.forget(state.rnum)
+                if not engine.dead:
+                    gone = (trio.BrokenResourceError, trio.ClosedResourceError)
+                    with trio.CancelScope(shield=True), contextlib.suppress(*gone):
+                        await engine.send_abort([state.rnum])
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None

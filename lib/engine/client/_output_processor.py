@@ -76,6 +76,7 @@ class OutputProcessor:
         tokens = view.tokens.tolist()
         finish = view.finish.tolist() if view.num_finished else None
         cached = None if view.num_cached_tokens is None else view.num_cached_tokens.tolist()
+        pooled = pooled_rows(view)
         to_wake: list[Mailbox] = []
         to_abort: list[int] = []
         for i, rnum in enumerate(view.rnums.tolist()):
@@ -111,6 +112,8 @@ class OutputProcessor:
                 state.num_output_tokens + len(new),
                 cached[i] if cached is not None else 0,
             )
+            if pooled:
+                output.pooled = pooled.get(rnum)
             self._account(state, len(new))
             state.token_ids += new
             if reason is not None:
@@ -197,6 +200,20 @@ class OutputProcessor:
                 to_wake.append(state.mailbox)
         for mailbox in to_wake:
             mailbox.wake()
+
+
+def pooled_rows(view: StepView) -> dict[int, np.ndarray]:
+    """Each pooling request's rows of the step's pooled block, copied out of the ring (its
+    rows are consecutive: several for ALL pooling)."""
+    if view.pooled is None or view.pooled_rnums is None or not len(view.pooled_rnums):
+        return {}
+    rnums = view.pooled_rnums
+    starts = np.flatnonzero(np.r_[True, rnums[1:] != rnums[:-1]])
+    ends = np.r_[starts[1:], len(rnums)]
+    return {
+        int(rnums[a]): view.pooled[a:b].copy()
+        for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
+    }
 
 
 def prompt_logprobs_output(state: RequestState, event: P.PromptLogprobsChunk) -> Output:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import trio
 
 from ..protocol._step_record import FinishReason
@@ -41,6 +42,8 @@ class Output:
     num_output_tokens: int = 0  # cumulative, for usage
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # A pooling request's result (the STEP record's pooled rows), in its finishing output.
+    pooled: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:
@@ -58,6 +61,8 @@ class Output:
         self.stop_reason = later.stop_reason
         self.num_output_tokens = later.num_output_tokens
         self.num_cached_tokens = later.num_cached_tokens or self.num_cached_tokens
+        if later.pooled is not None:
+            self.pooled = later.pooled
 
 
 @dataclass(slots=True)

@@ -188,6 +188,8 @@ class EngineCore:
             topk_ids=result.topk_ids,
             topk_logprobs=result.topk_logprobs,
             num_cached_tokens=result.num_cached_tokens,
+            pooled_rnums=result.pooled_rnums,
+            pooled=result.pooled,
             timeout=self.config.output_timeout,
         )
 
@@ -408,4 +410,6 @@ def _with_error_rows(result: StepResult, rnums: list[int]) -> StepResult:
         result.topk_ids,
         result.topk_logprobs,
         result.prompt_logprobs,
+        result.pooled_rnums,
+        result.pooled,
     )

@@ -10,6 +10,12 @@ preempted by recompute: its blocks are freed and it goes back to the front of `w
 with its outputs kept; readmitted, it is a new request to the runner again and recomputes
 its KV (most of it usually still in the prefix cache). Preempting the newest and admitting
 nobody in a step that preempted means the oldest request always progresses: nothing starves.
+
+Pooling requests (embeddings: `SamplingOptions.pooling`) share the queues and the budget with
+generation but only prefill: the step their prompt ends, they finish (STOP, no token) and free
+their blocks, and the runner's pooled rows ride in that step's result. Only LAST pooling
+starts from prefix-cache hits; MEAN, CLS and ALL read every prompt position's hidden state,
+so they compute the whole prompt (their full blocks are still cached for others).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...gpu import NewRequest, PromptLogprobs, RunnerOutput, StepBatch
+from ...wire import PoolingType
 from ..protocol._step_record import FinishReason
 from ._grammar import GrammarState, GrammarViolationError
 from ._kv_cache_manager import KVCacheManager
@@ -100,6 +107,9 @@ class StepResult:
     topk_ids: np.ndarray | None = None  # [num_tokens, k] int32
     topk_logprobs: np.ndarray | None = None  # [num_tokens, k] float32
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
+    # Pooling requests that finished this step: f32 [m, hidden] and each row's rnum.
+    pooled_rnums: np.ndarray | None = None
+    pooled: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
@@ -143,11 +153,13 @@ class Scheduler:
             raise InvalidRequestError(
                 f"request {request.rnum} has an empty prompt: send at least one token"
             )
-        if request.num_tokens >= max_model_len:
+        # A pooling request generates nothing, so its prompt may fill max_model_len.
+        room = 0 if request.options.is_pooling else 1
+        if request.num_tokens > max_model_len - room:
             raise InvalidRequestError(
                 f"request {request.rnum} has {request.num_tokens} prompt tokens, leaving no "
                 f"room to generate within max_model_len {max_model_len}: send at most "
-                f"{max_model_len - 1}"
+                f"{max_model_len - room}"
             )
         if request.max_tokens < 1:
             raise InvalidRequestError(
@@ -253,7 +265,9 @@ class Scheduler:
         # After a preemption blocks are short: admitting more would only preempt again.
         while not preempted and self.waiting and budget > 0 and len(running) < config.max_num_seqs:
             request = self.waiting[0]
-            hits, num_hit_tokens = kv.get_computed_blocks(request)
+            hits, num_hit_tokens = (
+                ([], 0) if _needs_every_position(request) else kv.get_computed_blocks(request)
+            )
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if kv.allocate_slots(request, num_new, hits) is None:
                 break  # FCFS: nobody overtakes the head of the queue
@@ -318,6 +332,7 @@ class Scheduler:
                 request.num_computed_tokens += count
                 kv.cache_blocks(request)
         prompt_logprobs = self._new_prompt_logprobs(output.prompt_logprobs)
+        pooled_done = self._finish_pooled(batch)
 
         max_model_len = self.config.max_model_len
         kept: list[int] | None = None  # row indices kept, once a row was dropped
@@ -346,9 +361,34 @@ class Scheduler:
                 num_finished += 1
             finish.append(reason)
             num_cached.append(request.num_cached_tokens)
-        if num_finished:
+        if num_finished or pooled_done:
             self.running = [r for r in self.running if not r.is_finished]
-        return self._result(batch.step, output, kept, finish, num_cached, prompt_logprobs)
+        result = self._result(
+            batch.step, output, kept, finish, num_cached, prompt_logprobs, pooled_done
+        )
+        if pooled_done and output.pooled is not None and output.pooled_rnums is not None:
+            # Rows of requests aborted while the step ran are dropped with them.
+            keep = np.isin(output.pooled_rnums, [r.rnum for r in pooled_done])
+            result.pooled_rnums = output.pooled_rnums[keep]
+            result.pooled = output.pooled[keep]
+        return result
+
+    def _finish_pooled(self, batch: StepBatch) -> list[Request]:
+        """Finish (STOP) and free the pooling requests whose prompt this step completed."""
+        done = []
+        for rnum in batch.scheduled_rnums.tolist():
+            request = self.requests.get(rnum)
+            if (
+                request is not None
+                and request.options.is_pooling
+                and request.num_computed_tokens >= request.num_tokens
+            ):
+                request.finish(FinishReason.STOP)
+                self.kv_cache_manager.free(request)
+                del self.requests[rnum]
+                self._finished_rnums.append(rnum)
+                done.append(request)
+        return done
 
     def _new_prompt_logprobs(
         self, prompt_logprobs: dict[int, PromptLogprobs]
@@ -369,8 +409,10 @@ class Scheduler:
         finish: list[int],
         num_cached: list[int],
         prompt_logprobs: dict[int, PromptLogprobs],
+        pooled_done: list[Request],
     ) -> StepResult:
-        """Columns of the rows that produced a token, then one empty row per abort."""
+        """Columns of the rows that produced a token, then one empty row per pooling request
+        that ended and per abort."""
         rnums = np.asarray(output.rnums, np.uint64)
         tokens = np.asarray(output.token_ids, np.int32)
         logprobs, topk_ids, topk_logprobs = output.logprobs, output.topk_ids, output.topk_logprobs
@@ -381,6 +423,10 @@ class Scheduler:
             topk_ids = None if topk_ids is None else topk_ids[index]
             topk_logprobs = None if topk_logprobs is None else topk_logprobs[index]
         num_tokens = len(tokens)
+        if pooled_done:
+            rnums = np.concatenate([rnums, np.array([r.rnum for r in pooled_done], np.uint64)])
+            finish.extend([FinishReason.STOP] * len(pooled_done))
+            num_cached.extend(r.num_cached_tokens for r in pooled_done)
         if self._aborted:
             rnums = np.concatenate([rnums, np.array([r.rnum for r in self._aborted], np.uint64)])
             finish.extend([FinishReason.ABORT] * len(self._aborted))
@@ -459,6 +505,12 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
         )
+
+
+def _needs_every_position(request: Request) -> bool:
+    """Whether `request` pools over every prompt position (MEAN, CLS, ALL), so prefix-cache
+    hits cannot stand in for computing them."""
+    return request.options.pooling not in (PoolingType.NONE, PoolingType.LAST)
 
 
 def _grammar_step(grammar: GrammarState, token_id: int, rnum: int) -> FinishReason:

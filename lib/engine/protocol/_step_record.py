@@ -11,9 +11,18 @@
     [SEC_LOGPROBS] f32[num_tokens]         the sampled tokens' logprobs
     [SEC_TOPK]     i32[num_tokens * topk], f32[num_tokens * topk]
     [SEC_CACHED]   u32[num_rows]           prefix-cache hits of the row's request
+    [SEC_POOLED]   num_pooled u32 | dim u32
+                   pooled_rnum u64[num_pooled]   the request of each pooled row
+                   pooled f32[num_pooled, dim]   one contiguous block for the whole step
 
 Each array starts 8-byte aligned, so the reader takes numpy views straight over the ring.
 `num_finished` lets a reader skip the finish column when no row finished (most steps).
+
+The pooled section carries the results of pooling requests (embeddings) that finished this
+step (DESIGN.md §4): one row per request, or one per prompt token for ALL pooling (its rows
+are consecutive and share the rnum). Its two counts lead the section rather than the header,
+so that records without it keep their layout. The request's own row (no tokens, finish STOP)
+ends it as for any other.
 """
 
 from __future__ import annotations
@@ -32,6 +41,8 @@ STEP_HEADER: Final = struct.Struct("<QIIHHIQ")
 SEC_LOGPROBS: Final = 1
 SEC_TOPK: Final = 2
 SEC_CACHED: Final = 4
+SEC_POOLED: Final = 8
+_POOLED_HEADER: Final = struct.Struct("<II")
 
 
 class FinishReason(enum.IntEnum):
@@ -49,7 +60,8 @@ def _align(n: int) -> int:
 
 
 def _layout(rows: int, tokens: int, sections: int, k: int) -> tuple[list[int], int]:
-    """Offsets of rnum, offsets, tokens, finish, logprobs, topk ids, topk logprobs, cached."""
+    """Offsets of rnum, offsets, tokens, finish, logprobs, topk ids, topk logprobs, cached,
+    and of the pooled section (its size comes from its own counts: `_pooled_layout`)."""
     sizes = [
         8 * rows,
         4 * (rows + 1),
@@ -59,12 +71,20 @@ def _layout(rows: int, tokens: int, sections: int, k: int) -> tuple[list[int], i
         4 * tokens * k if sections & SEC_TOPK else 0,
         4 * tokens * k if sections & SEC_TOPK else 0,
         4 * rows if sections & SEC_CACHED else 0,
+        0,
     ]
     offsets, at = [], STEP_HEADER.size
     for size in sizes:
         offsets.append(at)
         at = _align(at + size)
     return offsets, at
+
+
+def _pooled_layout(at: int, num_pooled: int, dim: int) -> tuple[int, int, int]:
+    """Offsets of the pooled rnums and block of a section starting at `at`, and its end."""
+    rnums = _align(at + _POOLED_HEADER.size)
+    block = _align(rnums + 8 * num_pooled)
+    return rnums, block, _align(block + 4 * num_pooled * dim)
 
 
 def _put(view: memoryview, offset: int, array: np.ndarray, dtype: str) -> None:
@@ -84,17 +104,24 @@ def write_step(
     topk_ids: np.ndarray | None = None,
     topk_logprobs: np.ndarray | None = None,
     num_cached_tokens: np.ndarray | None = None,
+    pooled_rnums: np.ndarray | None = None,
+    pooled: np.ndarray | None = None,
     timeout: float | None = None,
 ) -> None:
-    """Reserve, fill in place and commit one STEP record."""
+    """Reserve, fill in place and commit one STEP record (`pooled`: f32[n, dim] with its
+    `pooled_rnums` u64[n], or None)."""
     rows, num_tokens = len(rnums), len(tokens)
     k = 0 if topk_ids is None else int(topk_ids.shape[1])
     sections = (
         (SEC_LOGPROBS if logprobs is not None else 0)
         | (SEC_TOPK if k else 0)
         | (SEC_CACHED if num_cached_tokens is not None else 0)
+        | (SEC_POOLED if pooled is not None else 0)
     )
     offsets, size = _layout(rows, num_tokens, sections, k)
+    num_pooled, dim = (0, 0) if pooled is None else (int(pooled.shape[0]), int(pooled.shape[1]))
+    if pooled is not None:
+        _, _, size = _pooled_layout(offsets[8], num_pooled, dim)
     view = writer.reserve(size, timeout)
     num_finished = int(np.count_nonzero(finish))
     STEP_HEADER.pack_into(
@@ -111,6 +138,11 @@ def write_step(
         _put(view, offsets[6], topk_logprobs, "<f4")
     if num_cached_tokens is not None:
         _put(view, offsets[7], num_cached_tokens, "<u4")
+    if pooled is not None and pooled_rnums is not None:
+        at_rnums, at_block, _ = _pooled_layout(offsets[8], num_pooled, dim)
+        _POOLED_HEADER.pack_into(view, offsets[8], num_pooled, dim)
+        _put(view, at_rnums, pooled_rnums, "<u8")
+        _put(view, at_block, pooled, "<f4")
     writer.commit(STEP)
 
 
@@ -125,6 +157,8 @@ class StepView:
         "num_finished",
         "num_rows",
         "num_tokens",
+        "pooled",
+        "pooled_rnums",
         "rnums",
         "step",
         "tok_offsets",
@@ -161,3 +195,12 @@ class StepView:
         self.num_cached_tokens = (
             np.frombuffer(payload, "<u4", rows, o[7]) if sections & SEC_CACHED else None
         )
+        self.pooled_rnums: np.ndarray | None = None
+        self.pooled: np.ndarray | None = None  # f32 [num_pooled, dim]
+        if sections & SEC_POOLED:
+            num_pooled, dim = _POOLED_HEADER.unpack_from(payload, o[8])
+            at_rnums, at_block, _ = _pooled_layout(o[8], num_pooled, dim)
+            self.pooled_rnums = np.frombuffer(payload, "<u8", num_pooled, at_rnums)
+            self.pooled = np.frombuffer(payload, "<f4", num_pooled * dim, at_block).reshape(
+                num_pooled, dim
+            )
