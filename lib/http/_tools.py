@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.client import JSON_OPTIONS
+from ._partial_json import parse_partial
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # `_tools_llama3` has the second
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -222,6 +223,17 @@ def cut_call(body: str, names: set[str]) -> ToolCall | None:
         return ToolCall(new_call_id(), name, arguments, complete=False)
 
 
+def _opens_call(body: str, names: set[str]) -> bool:
+    """Whether `body`, a call's JSON cut before its name ended, may name one of `names`."""
+    if not body.strip():
+        return True
+    head = parse_partial(body)
+    if not isinstance(head, dict) or set(head) - {"name"}:
+        return False
+    name = head.get("name", "")
+    return isinstance(name, str) and any(n.startswith(name) for n in names)
+
+
 def _call(body: str, names: set[str]) -> ToolCall | None:
     try:
         value = json.loads(body)
@@ -287,10 +299,14 @@ class ToolCallStream:
         token limit `cut` it after it named an offered function: then it is that call,
         incomplete (its arguments as far as they came)."""
         rest, self._buffer = self._buffer, ""
-        call = cut_call(rest[len(OPEN) :], self._names) if cut and rest.startswith(OPEN) else None
-        if call is None:
+        if not (cut and rest.startswith(OPEN)):
             return rest, []
-        return "", self._deltas(call)
+        call = cut_call(rest[len(OPEN) :], self._names)
+        if call is not None:
+            return "", self._deltas(call)
+        # Cut before it named its function: an opening that could still have become a call of
+        # an offered one is neither a call nor text the model meant to say.
+        return ("", []) if _opens_call(rest[len(OPEN) :], self._names) else (rest, [])
 
     def _deltas(self, call: ToolCall) -> list[dict[str, Any]]:
         index = len(self.calls)

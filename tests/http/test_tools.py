@@ -186,8 +186,15 @@ def test_streamed_calls_carry_no_separator_content(piece: int) -> None:
         ('Now: <tool_call>\n{"name": "get_time", "argu', "Now: ", "", False),
         ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool', "", None, True),
         ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}', "", None, True),
-        ('<tool_call>\n{"name": "get_ti', '<tool_call>\n{"name": "get_ti', None, None),
-        ('<tool_call>\n{"name": "other", "arguments": {', "", None, None),
+        ('<tool_call>\n{"name": "get_ti', "", None, None),  # cut opening an offered call
+        ('Hi <tool_call>\n{"', "Hi ", None, None),
+        ('<tool_call>\n{"name": "set_', '<tool_call>\n{"name": "set_', None, None),
+        (
+            '<tool_call>\n{"name": "x", "arguments": {',
+            '<tool_call>\n{"name": "x", "arguments": {',
+            None,
+            None,
+        ),
     ],
 )
 def test_a_call_the_token_limit_cut_is_an_incomplete_call(
@@ -198,8 +205,8 @@ def test_a_call_the_token_limit_cut_is_an_incomplete_call(
     stream = ToolCallStream({"get_time"})
     said, _ = stream.feed(text)
     rest, deltas = stream.finish(cut=True)
-    if complete is None:  # no function named yet, or another one: the text stays content
-        assert said + rest == text and not stream.calls and not deltas
+    if complete is None:  # no offered function named yet: no call, and text only if no call
+        assert said + rest == content and not stream.calls and not deltas
         return
     (call,) = stream.calls
     assert said + rest == content and call.name == "get_time" and call.complete is complete
