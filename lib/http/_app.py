@@ -41,6 +41,7 @@ from ._errors import (
 from ._generate import Generation
 from ._metrics import Metrics
 from ._offload import default_threads
+from ._rank import pinned_rank
 from ._responses_api import ResponsesAPI, ResponsesRequest
 from ._responses_store import ResponseStore
 from ._schemas import (
@@ -325,6 +326,8 @@ class App:
         with self._admitted() as held:
             request = await self._decode(body, CompletionRequest)
             self._check_model(request.model)
+            header, size = _header(scope, b"x-data-parallel-rank"), len(self.llm.engines)
+            request.data_parallel_rank = pinned_rank(header, request.data_parallel_rank, size)
             await self.generation.completions(request, receive, send, extra, held)
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
@@ -332,6 +335,8 @@ class App:
         with self._admitted() as held:
             request = await self._decode(body, ChatCompletionRequest)
             self._check_model(request.model)
+            header, size = _header(scope, b"x-data-parallel-rank"), len(self.llm.engines)
+            request.data_parallel_rank = pinned_rank(header, request.data_parallel_rank, size)
             await self.generation.chat(request, receive, send, extra, held)
 
     async def _responses(

@@ -17,6 +17,7 @@ import msgspec
 
 from ..engine.client import (
     ChatTemplateError,
+    DataParallelRankError,
     EngineDeadError,
     EngineRestartingError,
     InvalidPromptError,
@@ -163,7 +164,8 @@ def http_error(exc: BaseException) -> RequestError | None:
     the caller logs and answers with a 500.
 
     An engine's death is a 503 (`server_error`: the server cannot serve now; a restart or
-    another replica may), with `Retry-After` when every engine is restarting.
+    another replica may), with `Retry-After` when every engine (or a request's pinned one) is
+    restarting; so is the death of the engine a request was pinned to (`data_parallel_rank`).
     """
     if isinstance(exc, RequestError):
         return exc
@@ -176,6 +178,8 @@ def http_error(exc: BaseException) -> RequestError | None:
         return RequestError(400, str(exc), param=exc.param)
     if isinstance(exc, InvalidPromptError):
         return RequestError(400, str(exc), param="prompt")
+    if isinstance(exc, DataParallelRankError):
+        return RequestError(400, str(exc), param="data_parallel_rank")
     if isinstance(exc, ChatTemplateError):  # the prompt is rendered before any stream starts
         return RequestError(400, str(exc), param="messages")
     if isinstance(exc, StructuredOutputError):

@@ -91,7 +91,8 @@ class Generation:
         params, _ = await self.inputs.sampling_params(request)
         prompts = request.prompts
         held.grow(len(prompts) * params.n, what=f"{len(prompts)} prompts x n {params.n}")
-        prepared = await self.inputs.prompts(prompts, params)
+        rank = request.data_parallel_rank
+        prepared = await self.inputs.prompts(prompts, params, data_parallel_rank=rank)
         echo = await self.inputs.echo(prepared, request)
         if request.stream:
             await self._stream(prepared, request, "completion", receive, send, extra, echo)
@@ -140,7 +141,8 @@ class Generation:
         held.grow(params.n, what=f"1 conversation x n {params.n}", param="n")
         tool_prompt = L3.TOOL_PROMPT if tool_format == "llama3_json" else DEFAULT_TOOL_PROMPT
         prompt = await self.inputs.chat_prompt(request.messages, functions, tool_prompt)
-        prepared = await self.inputs.prompts([prompt], params)
+        rank = request.data_parallel_rank
+        prepared = await self.inputs.prompts([prompt], params, data_parallel_rank=rank)
         names = {f["name"] for f in functions} or None
         reasoning = self.llm.config.reasoning_parser  # the constraint's too: one setting
         parser = partial(

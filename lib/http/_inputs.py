@@ -45,21 +45,27 @@ class Inputs:
         return await self.offload.run(_constraint_size(request), convert)
 
     async def prompts(
-        self, prompts: list[str | list[int]], params: SamplingParams
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        *,
+        data_parallel_rank: int | None = None,
     ) -> list[PreparedRequest]:
         """Every prompt checked whole now (`AsyncLLM.prepare`: tokenised, length-checked, its
         constraint compiled), so a bad one is a 400, not a broken stream (the response has
-        not started yet); what `generate` then sends without checking again.
+        not started yet); what `generate` then sends without checking again, to the engine
+        `data_parallel_rank` when given.
 
         Raises:
             InvalidPromptError, PromptTooLongError, StructuredOutputError: (400s, by
                 `_errors.http_error`) an empty prompt, an id outside the vocabulary, a prompt
                 longer than the model holds, a bad constraint.
         """
-        prepared = []
+        prepared, rank = [], data_parallel_rank
         for prompt in prompts:
             run = partial(self.offload.run, len(prompt))
-            prepared.append(await self.llm.prepare(prompt, params, run=run))
+            checked = await self.llm.prepare(prompt, params, run=run, data_parallel_rank=rank)
+            prepared.append(checked)
         return prepared
 
     async def chat_prompt(

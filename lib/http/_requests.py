@@ -139,6 +139,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     structured_outputs: StructuredOutputs | None = None  # vLLM's
     response_format: ResponseFormat | None = None  # OpenAI's
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks shared only within one salt
+    data_parallel_rank: int | None = None  # vLLM's: the engine to run on (`_rank`)
 
     def __post_init__(self) -> None:
         if self.stream_options is not None and not self.stream:

@@ -7,9 +7,11 @@ import pytest
 
 from trillm.engine.client import (
     ChatTemplateError,
+    DataParallelRankError,
     EngineDeadError,
     EngineRestartingError,
     InvalidPromptError,
+    PinnedEngineDeadError,
     PromptTooLongError,
     RemoteError,
     RequestFailedError,
@@ -31,6 +33,8 @@ DEATH = RemoteError("engine", signal=9)
         (ChatTemplateError("refused"), 400, "messages"),
         (StructuredOutputError("response_format", "bad schema"), 400, "response_format"),
         (RequestFailedError("grammar timed out"), 400, None),
+        (DataParallelRankError("rank 2 of 2"), 400, "data_parallel_rank"),
+        (PinnedEngineDeadError(1, EngineDeadError(DEATH)), 503, None),
     ],
 )
 def test_each_cause_has_one_status_and_field(exc: Exception, status: int, param: str) -> None:

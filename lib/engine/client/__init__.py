@@ -14,9 +14,11 @@ from ._async_llm import AsyncLLM as AsyncLLM
 from ._async_llm import open_llm as open_llm
 from ._config import LLMConfig as LLMConfig
 from ._errors import ChatTemplateError as ChatTemplateError
+from ._errors import DataParallelRankError as DataParallelRankError
 from ._errors import EngineDeadError as EngineDeadError
 from ._errors import EngineRestartingError as EngineRestartingError
 from ._errors import InvalidPromptError as InvalidPromptError
+from ._errors import PinnedEngineDeadError as PinnedEngineDeadError
 from ._errors import PromptTooLongError as PromptTooLongError
 from ._errors import RequestFailedError as RequestFailedError
 from ._grammar_budget import MAX_STRUCTURED_DEPTH as MAX_STRUCTURED_DEPTH

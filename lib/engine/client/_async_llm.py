@@ -22,7 +22,12 @@ from ...wire import PoolingType, SamplingOptions
 from ..protocol import _messages as P
 from ._config import LLMConfig
 from ._engine_pool import EnginePool
-from ._errors import EngineDeadError, PromptTooLongError, RequestFailedError
+from ._errors import (
+    DataParallelRankError,
+    EngineDeadError,
+    PromptTooLongError,
+    RequestFailedError,
+)
 from ._input_processor import InputProcessor
 from ._output_processor import OutputProcessor
 from ._outputs import Mailbox, Output
@@ -96,12 +101,15 @@ class AsyncLLM:
         params: SamplingParams | None = None,
         *,
         run: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None,
+        data_parallel_rank: int | None = None,
     ) -> PreparedRequest:
         """`prompt` checked whole, once, for `generate`: tokenised (ids checked against the
         vocabulary), its length against the model's, its constraint compiled. `run` runs the
         tokenising (the server hands it to a thread when the prompt is large).
+        `data_parallel_rank` pins it to that engine (vLLM's), instead of the router's choice.
 
         Raises:
+            DataParallelRankError: `data_parallel_rank` is not in [0, data_parallel_size).
             InvalidPromptError: an empty prompt or a token id outside the vocabulary.
             PromptTooLongError: prompt + max_tokens exceed the model's maximum length (its
                 `param` says which to change).
@@ -112,6 +120,12 @@ class AsyncLLM:
         """
         self.engines.check_alive()
         params = params or SamplingParams()
+        size = len(self.engines)
+        if data_parallel_rank is not None and not 0 <= data_parallel_rank < size:
+            raise DataParallelRankError(
+                f"data_parallel_rank must be in [0, {size}) (the data-parallel size), got "
+                f"{data_parallel_rank}"
+            )
 
         def checked() -> tuple[list[int], int]:
             ids = self._inputs.tokenize(prompt)
@@ -119,29 +133,36 @@ class AsyncLLM:
 
         token_ids, max_tokens = checked() if run is None else await run(checked)
         grammar = await self.check_structured(params)
-        return PreparedRequest(token_ids, params, max_tokens, grammar)
+        return PreparedRequest(token_ids, params, max_tokens, grammar, data_parallel_rank)
 
     @asynccontextmanager
     async def generate(
-        self, request: PreparedRequest | str | Sequence[int], params: SamplingParams | None = None
+        self,
+        request: PreparedRequest | str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        data_parallel_rank: int | None = None,
     ) -> AsyncIterator[RequestStream]:
-        """Submit a request (`prepare`d, or a prompt and `params` to prepare now); yields its
-        stream.
+        """Submit a request (`prepare`d, or a prompt and `params` to prepare now, pinned to
+        engine `data_parallel_rank` if given); yields its stream.
 
         Leaving the block before every child finished (break, exception, cancellation)
         aborts the request in the engine.
 
         Raises:
             EngineDeadError: the engine died (before or during the request).
-            EngineRestartingError: every engine restarts, and none came back in time.
+            EngineRestartingError: every engine (or the pinned one) restarts, and none came
+                back in time.
+            PinnedEngineDeadError: the pinned engine is dead for good (others may serve).
             What `prepare` raises, when given a prompt.
             RequestFailedError: (from the stream) the engine failed this request alone,
                 e.g. its grammar did not compile within the deadline.
         """
         if not isinstance(request, PreparedRequest):
-            request = await self.prepare(request, params)
+            request = await self.prepare(request, params, data_parallel_rank=data_parallel_rank)
         params, token_ids = request.params, request.token_ids
-        engine = await self.engines.choose(token_ids, params.cache_salt or "")
+        salt, rank = params.cache_salt or "", request.data_parallel_rank
+        engine = await self.engines.choose(token_ids, salt, rank)
         mailbox = Mailbox()
         states = [
             self._inputs.new_state(next(self._rnums), mailbox, i, token_ids, params)
@@ -183,11 +204,15 @@ class AsyncLLM:
                     await engine.send_abort(unfinished)
 
     async def complete(
-        self, prompt: str | Sequence[int], params: SamplingParams | None = None
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        data_parallel_rank: int | None = None,
     ) -> list[Output]:
         """Generate to the end; one merged `Output` per child (index order)."""
         merged: dict[int, Output] = {}
-        async with self.generate(prompt, params) as stream:
+        async with self.generate(prompt, params, data_parallel_rank=data_parallel_rank) as stream:
             async for output in stream:
                 if output.index in merged:
                     merged[output.index].merge(output)

@@ -23,7 +23,7 @@ import trio
 from ..protocol._errors import RemoteError
 from ._config import LLMConfig
 from ._engine_client import EngineClient
-from ._errors import EngineDeadError, EngineRestartingError
+from ._errors import EngineDeadError, EngineRestartingError, PinnedEngineDeadError
 from ._launch import EngineStartError
 from ._output_processor import OutputProcessor
 from ._restarts import RestartPolicy
@@ -119,15 +119,21 @@ class EnginePool:
         assert self.error is not None
         return self.error
 
-    async def choose(self, token_ids: Sequence[int], cache_salt: str = "") -> EngineClient:
-        """The engine for a prompt of a cache salt's tenant (`_router`). While every engine
-        restarts, wait for one (at most `engine_restart_wait`) instead of failing.
+    async def choose(
+        self, token_ids: Sequence[int], cache_salt: str = "", rank: int | None = None
+    ) -> EngineClient:
+        """The engine for a prompt of a cache salt's tenant (`_router`), or engine `rank`
+        when the caller pinned one. While every engine (or the pinned one) restarts, wait for
+        it (at most `engine_restart_wait`) instead of failing.
 
         Raises:
             EngineRestartingError: none came back in time (the restart goes on).
+            PinnedEngineDeadError: engine `rank` is dead for good (others may serve).
             EngineDeadError: none is serving or coming back.
         """
         self.check_alive()
+        if rank is not None:
+            return await self._pinned(token_ids, cache_salt, rank)
         wait = self.config.engine_restart_wait
         with trio.move_on_after(wait):
             while not self.live():
@@ -138,6 +144,19 @@ class EnginePool:
         if not live:
             raise EngineRestartingError(next(iter(self.errors.values())).error, wait)
         return self.clients[self.router.choose(token_ids, live, cache_salt)]
+
+    async def _pinned(self, token_ids: Sequence[int], cache_salt: str, rank: int) -> EngineClient:
+        wait = self.config.engine_restart_wait
+        with trio.move_on_after(wait):
+            while self.state[rank] is EngineState.RESTARTING:
+                await self._back.wait()
+        self.check_alive()
+        if self.state[rank] is EngineState.DEAD:
+            raise PinnedEngineDeadError(rank, self.errors[rank])
+        if self.state[rank] is EngineState.RESTARTING:
+            raise EngineRestartingError(self.errors[rank].error, wait)
+        self.router.remember(token_ids, rank, cache_salt)
+        return self.clients[rank]
 
     def serving(self, index: int | None) -> EngineClient:
         """Engine `index` if it serves (else why not), or the first serving one."""

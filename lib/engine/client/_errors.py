@@ -38,6 +38,23 @@ class EngineRestartingError(EngineDeadError):
         )
 
 
+class PinnedEngineDeadError(EngineDeadError):
+    """The engine a request was pinned to (`data_parallel_rank`) died for good while others
+    serve: the request was not sent (HTTP: 503). Send it unpinned, or to another rank."""
+
+    def __init__(self, rank: int, dead: EngineDeadError) -> None:
+        super().__init__(dead.error)
+        self.rank = rank
+        self.args = (
+            f"data_parallel_rank {rank}'s engine is dead ({dead}); send the request without "
+            f"data_parallel_rank, or to a rank whose engine serves",
+        )
+
+
+class DataParallelRankError(ValueError):
+    """A request pinned to an engine that does not exist: the caller's 400."""
+
+
 class RequestFailedError(ValueError):
     """The engine refused one request (its grammar did not compile in time, ...): the
     caller's 400; the engine and the other requests go on."""

@@ -10,7 +10,8 @@ from ._sampling_params import SamplingParams
 @dataclass(frozen=True, slots=True)
 class PreparedRequest:
     """A prompt's token ids (in the vocabulary), its sampling parameters, its max_tokens (the
-    model's length checked) and its constraint's compiled grammar ("" for none).
+    model's length checked), its constraint's compiled grammar ("" for none) and the engine
+    it is pinned to, if any (in range).
 
     Made by `AsyncLLM.prepare`, which checks each part; `generate` trusts it and checks
     nothing again (before, a server request was tokenised and checked twice).
@@ -20,3 +21,4 @@ class PreparedRequest:
     params: SamplingParams
     max_tokens: int
     grammar: str = ""
+    data_parallel_rank: int | None = None  # the engine it is pinned to (None: the router's)

@@ -59,12 +59,21 @@ class EngineRouter:
                 if self.loads[engine] <= self.loads[least] + self.slack:
                     chosen = engine
                 break
+        self._remember(keys, chosen)
+        return chosen
+
+    def remember(self, token_ids: Sequence[int], engine: int, cache_salt: str = "") -> None:
+        """A request the router did not choose for (pinned to `engine` by its caller) leaves
+        its prefix there all the same: later ones may share it."""
+        if len(self.loads) > 1:
+            self._remember(self._keys(token_ids, cache_salt), engine)
+
+    def _remember(self, keys: list[tuple[int, int]], engine: int) -> None:
         for key in keys:
-            self._prefixes[key] = chosen
+            self._prefixes[key] = engine
             self._prefixes.move_to_end(key)
         while len(self._prefixes) > MAX_PREFIXES:
             self._prefixes.popitem(last=False)
-        return chosen
 
     def engine_died(self, engine: int) -> None:
         """Forget the prefixes `engine` held: its KV cache is gone."""

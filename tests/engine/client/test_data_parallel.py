@@ -15,6 +15,7 @@ import pytest
 import trio
 
 from trillm.engine import AsyncLLM, EngineConfig, EngineDeadError, LLMConfig, open_llm
+from trillm.engine.client import DataParallelRankError, PinnedEngineDeadError
 from trillm.engine.client._router import EngineRouter
 from trillm.engine.client._sampling_params import SamplingParams
 from trillm.engine.client._streams import RequestStream
@@ -126,6 +127,40 @@ async def test_one_engines_death_fails_only_its_streams(llm: AsyncLLM) -> None:
     assert len(again[0].token_ids) == 8
     with pytest.raises(EngineDeadError, match="engine 1"):
         await llm.utility("ping", engine=1)
+
+
+async def test_a_pinned_request_runs_on_its_rank_and_is_refused_once_it_died(
+    llm: AsyncLLM,
+) -> None:
+    prompt = list(range(800, 840))  # one prompt: the router alone would keep it on one engine
+    for rank in (1, 0, 1, 1, 0):
+        async with llm.generate(prompt, GREEDY, data_parallel_rank=rank) as stream:
+            assert engine_of(llm, stream) == rank
+            assert len([t async for out in stream for t in out.token_ids]) == 8
+    with pytest.raises(DataParallelRankError, match=r"^data_parallel_rank must be in \[0, 2\)"):
+        await llm.prepare(prompt, GREEDY, data_parallel_rank=2)
+    pid = llm.engines[1].process.pid
+    os.kill(pid, signal.SIGKILL)  # no restarts here: dead for good
+    with trio.fail_after(60):
+        while llm.live_engines() != [0]:
+            await trio.sleep(0.02)
+    with pytest.raises(PinnedEngineDeadError) as caught:
+        await llm.complete(prompt, GREEDY, data_parallel_rank=1)
+    assert str(caught.value).startswith(
+        "data_parallel_rank 1's engine is dead (the engine died: engine 1 process killed by "
+        "signal 9"
+    )
+    assert caught.value.rank == 1
+    again = await llm.complete(prompt, GREEDY, data_parallel_rank=0)
+    assert len(again[0].token_ids) == 8
+
+
+def test_a_pinned_prompt_leaves_its_prefix_with_its_engine() -> None:
+    router = EngineRouter(2, block_size=16)
+    system = list(range(40))
+    router.remember([*system, 1], 1)
+    assert router.choose([*system, 2], [0, 1]) == 1  # the pinned one's prefix is on 1
+    assert router.choose([*system, 2], [0, 1], cache_salt="other") == 0  # not another salt's
 
 
 def test_engines_on_one_cpu_split_its_cores(tiny_dir: Path) -> None:
