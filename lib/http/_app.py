@@ -41,6 +41,7 @@ from ._errors import (
 from ._generate import Generation
 from ._metrics import Metrics
 from ._offload import default_threads
+from ._pooling_api import PoolingAPI
 from ._rank import pinned_rank
 from ._responses_api import ResponsesAPI, ResponsesRequest
 from ._responses_store import ResponseStore
@@ -125,6 +126,7 @@ class App:
         self._item_routes = {"GET": self._get_response, "DELETE": self._delete_response}
         self.responses = ResponsesAPI(self.generation, ResponseStore(config.responses_store_size))
         self.messages = MessagesAPI(self.generation)
+        self._routes.update(PoolingAPI(self, config.served_model_name).routes())
         self.dev: DevEndpoints | None = None
         if config.enable_dev_endpoints:
             self.dev = DevEndpoints(llm, config.profiler_dir)

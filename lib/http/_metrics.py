@@ -28,6 +28,7 @@ from ._metrics_vllm import VllmAliases
 
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 FINISHED_REASONS = ("stop", "length", "abort", "error")
+POOLING_ENDPOINTS = ("embedding", "pooling", "score", "rerank")  # `observe_pooling`
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards built for vLLM read ours.
 TTFT_BUCKETS = (
@@ -151,6 +152,20 @@ class Metrics:
             (*_LABELS, "finished_reason"),
             registry=r,
         )
+        # Pooling requests (embeddings, scores) apart from generation: they make no tokens.
+        self.pooling_requests = Counter(
+            "trillm:pooling_requests",
+            "Finished pooling requests (one per input), by endpoint; not counted in "
+            "request_success.",
+            (*_LABELS, "endpoint"),
+            registry=r,
+        )
+        self.pooling_prompt_tokens = Counter(
+            "trillm:pooling_prompt_tokens",
+            "Prompt tokens of pooling requests (not counted in prompt_tokens).",
+            _LABELS,
+            registry=r,
+        )
         # vLLM's info gauge (value 1), read by llm-d's endpoint picker for the block size and
         # the KV cache's size; no series until the server knows them (`set_cache_config`).
         self.cache_config = Gauge(
@@ -173,6 +188,9 @@ class Metrics:
                 metric.labels(model_name, str(engine))
         for reason in FINISHED_REASONS:
             self.request_success.labels(model_name, reason)
+        for endpoint in POOLING_ENDPOINTS:
+            self.pooling_requests.labels(model_name, endpoint)
+        self.pooling_prompt_tokens.labels(model_name)
         r.register(VllmAliases(self._vllm_named))
 
     @property
@@ -256,6 +274,12 @@ class Metrics:
         self.prompt_tokens.labels(name).inc(prompt_tokens)
         self.generation_tokens.labels(name).inc(generation_tokens)
         self.request_success.labels(name, finished_reason).inc()
+
+    def observe_pooling(self, endpoint: str, requests: int, prompt_tokens: int) -> None:
+        """Count `requests` finished pooling requests of `endpoint` (one of
+        `POOLING_ENDPOINTS`) and their prompt tokens."""
+        self.pooling_requests.labels(self.model_name, endpoint).inc(requests)
+        self.pooling_prompt_tokens.labels(self.model_name).inc(prompt_tokens)
 
     def count_aborted(self, choices: int) -> None:
         """Count choices that ended without finishing (the client went away, or an error)."""

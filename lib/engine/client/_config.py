@@ -13,6 +13,7 @@ from ...config import flag
 from ..protocol._config import EngineConfig
 from ..protocol._messages import MIN_WATCHDOG_TIMEOUT
 from ._grammar_budget import MAX_GRAMMAR_BYTES, MAX_STRUCTURED_DEPTH, GrammarBudget
+from ._pooling import parse_pooler_override
 from ._regex_size import MAX_REGEX_OPTIONALS
 from ._structured import REASONING_PARSERS
 
@@ -38,6 +39,17 @@ class LLMConfig:
             "--reasoning-parser",
             choices=REASONING_PARSERS,
             help="split <think>...</think> off into message.reasoning",
+        ),
+    )
+    # Embeddings' pooler (JSON: pooling_type LAST|MEAN|CLS|ALL, normalize): overrides what
+    # the model folder's sentence-transformers files say (`_pooling.load_pooler_config`).
+    pooler_config: str | None = field(
+        default=None,
+        metadata=flag(
+            "--pooler-config",
+            help='embeddings\' pooler, as JSON: {"pooling_type": "LAST|MEAN|CLS|ALL", '
+            '"normalize": true|false}; overrides the model\'s sentence-transformers files '
+            "(default without either: LAST, normalized)",
         ),
     )
     start_timeout: float = 600.0
@@ -133,6 +145,7 @@ class LLMConfig:
         if own is not None:
             object.__setattr__(self, "engine", msgspec.structs.replace(self.engine, tokenizer=own))
         object.__setattr__(self, "tokenizer", self.engine.tokenizer)
+        parse_pooler_override(self.pooler_config)  # a bad one is refused here, at the edge
         self.grammar_budget  # noqa: B018 - built to refuse a bad limit here, at the edge
         if self.in_process and self.data_parallel_size > 1:
             raise ValueError(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -61,8 +62,21 @@ def load_pooler_config(model_dir: str, override: str | None = None) -> PoolerCon
         PoolerConfigError: `override` is not a JSON object of known keys and values.
     """
     config = _from_sentence_transformers(model_dir) or PoolerConfig()
+    given = parse_pooler_override(override)
+    return PoolerConfig(
+        given.get("pooling_type", config.pooling_type), given.get("normalize", config.normalize)
+    )
+
+
+def parse_pooler_override(override: str | None) -> dict[str, Any]:
+    """--pooler-config's JSON as checked settings ({} for none): `pooling_type` (a
+    `PoolingType`) and `normalize` (a bool), each only if given.
+
+    Raises:
+        PoolerConfigError: not a JSON object, an unknown key, or a value out of range.
+    """
     if not override:
-        return config
+        return {}
     try:
         given = json.loads(override)
     except json.JSONDecodeError as exc:
@@ -74,7 +88,7 @@ def load_pooler_config(model_dir: str, override: str | None = None) -> PoolerCon
         raise PoolerConfigError(
             f"--pooler-config: unknown key(s) {', '.join(unknown)}; known: pooling_type, normalize"
         )
-    kind, normalize = config.pooling_type, config.normalize
+    settings: dict[str, Any] = {}
     if "pooling_type" in given:
         name = given["pooling_type"]
         if not isinstance(name, str) or name.upper() not in POOLING_TYPES:
@@ -82,14 +96,14 @@ def load_pooler_config(model_dir: str, override: str | None = None) -> PoolerCon
                 f"--pooler-config: pooling_type must be one of {', '.join(POOLING_TYPES)}, "
                 f"got {name!r}"
             )
-        kind = POOLING_TYPES[name.upper()]
+        settings["pooling_type"] = POOLING_TYPES[name.upper()]
     if "normalize" in given:
         if not isinstance(given["normalize"], bool):
             raise PoolerConfigError(
                 f"--pooler-config: normalize must be true or false, got {given['normalize']!r}"
             )
-        normalize = given["normalize"]
-    return PoolerConfig(kind, normalize)
+        settings["normalize"] = given["normalize"]
+    return settings
 
 
 def _from_sentence_transformers(model_dir: str) -> PoolerConfig | None:

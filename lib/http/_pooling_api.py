@@ -1,0 +1,264 @@
+"""The pooling routes: POST /v1/embeddings (OpenAI's), /pooling, /score and /rerank (vLLM's).
+
+Every input is one prefill-only request to the same engines as generation (`AsyncLLM.encode`):
+no separate server, as vLLM's `--runner pooling` needs. The engine returns each prompt's
+pooled hidden state raw; here it is cut to `dimensions` (Matryoshka) and normalised as the
+model's pooler says (`client.load_pooler_config`: its sentence-transformers files, else
+--pooler-config, else LAST with normalize). Scores are the cosine similarity of embeddings,
+as vLLM computes them for an embedding model.
+
+Prefix caching: LAST pooling reuses cached prefix blocks and computes only the rest; MEAN,
+CLS and ALL read every position's hidden state, so they compute the whole input.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Protocol, TypeVar
+
+import msgspec
+import numpy as np
+import trio
+
+from ..engine.client import (
+    AsyncLLM,
+    InvalidPromptError,
+    PoolingOutput,
+    PromptTooLongError,
+    finish_embedding,
+    load_pooler_config,
+)
+from ._errors import RequestError
+from ._metrics import Metrics
+from ._pooling_schema import (
+    EmbeddingRequest,
+    Prompt,
+    RerankRequest,
+    ScoreRequest,
+    check_positive,
+    encode_vector,
+    inputs,
+    list_response,
+)
+
+Scope = dict[str, Any]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Handler = Callable[..., Awaitable[None]]
+S = TypeVar("S")
+_encoder = msgspec.json.Encoder()
+
+
+class Host(Protocol):
+    """What the routes need of the app (`_app.App`): its body reading, decoding, admission,
+    model check and response, so that a pooling request is read and admitted as any other."""
+
+    llm: AsyncLLM
+    metrics: Metrics
+    generation: Any  # `_generate.Generation`: its tokenizer threads (`inputs.offload`)
+
+    async def _read_body(self, scope: Scope, receive: Any) -> bytes: ...
+    async def _decode(self, body: bytes, kind: type[S]) -> S: ...
+    def _admitted(self) -> AbstractContextManager[Any]: ...
+    def _check_model(self, model: str | None) -> None: ...
+    async def _respond(
+        self, send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
+    ) -> None: ...
+
+
+class PoolingAPI:
+    """The pooling routes of one app; `routes()` goes into its route table."""
+
+    def __init__(self, host: Host, served_model_name: str) -> None:
+        self.host = host
+        self.llm = host.llm
+        self.model = served_model_name
+        config = host.llm.config
+        self.pooler = load_pooler_config(config.engine.worker.model, config.pooler_config)
+        self.hidden_size: int | None = None  # learnt from the first result
+
+    def routes(self) -> dict[tuple[str, str], Handler]:
+        return {
+            ("POST", "/v1/embeddings"): self._embeddings,
+            ("POST", "/pooling"): self._pooling,
+            ("POST", "/score"): self._score,
+            ("POST", "/v1/score"): self._score,
+            ("POST", "/rerank"): self._rerank,
+            ("POST", "/v1/rerank"): self._rerank,
+        }
+
+    # -- routes --------------------------------------------------------------------------
+
+    async def _embeddings(self, scope: Scope, receive: Any, send: Send, extra: Any) -> None:
+        await self._embed_route(scope, receive, send, extra, "embedding")
+
+    async def _pooling(self, scope: Scope, receive: Any, send: Send, extra: Any) -> None:
+        await self._embed_route(scope, receive, send, extra, "pooling")
+
+    async def _embed_route(
+        self, scope: Scope, receive: Any, send: Send, extra: Any, kind: str
+    ) -> None:
+        host = self.host
+        body = await host._read_body(scope, receive)
+        with host._admitted() as held:
+            request = await host._decode(body, EmbeddingRequest)
+            host._check_model(request.model)
+            prompts = inputs(request.input)
+            held.grow(len(prompts), what=f"{len(prompts)} inputs", param="input")
+            check_positive(request.dimensions, "dimensions")
+            check_positive(request.truncate_prompt_tokens, "truncate_prompt_tokens")
+            self._check_dimensions(request.dimensions)
+            outputs = await self._encode(prompts, "input", request.truncate_prompt_tokens)
+            self._check_dimensions(request.dimensions)
+            normalize = self.pooler.normalize if request.normalize is None else request.normalize
+            data = []
+            for i, out in enumerate(outputs):
+                rows = finish_embedding(
+                    out.data, normalize=normalize, dimensions=request.dimensions
+                )
+                value = encode_vector(rows, request.encoding_format)
+                key = "embedding" if kind == "embedding" else "data"
+                data.append({"index": i, "object": kind, key: value})
+            tokens = self._count(kind, outputs)
+            answer = list_response(data, self.model, tokens, f"embd-{uuid.uuid4().hex}")
+        await host._respond(send, 200, _encoder.encode(answer), extra)
+
+    async def _score(self, scope: Scope, receive: Any, send: Send, extra: Any) -> None:
+        host = self.host
+        body = await host._read_body(scope, receive)
+        with host._admitted() as held:
+            request = await host._decode(body, ScoreRequest)
+            host._check_model(request.model)
+            firsts = _texts(request.text_1, "text_1")
+            seconds = _texts(request.text_2, "text_2")
+            if len(firsts) != 1 and len(firsts) != len(seconds):
+                raise RequestError(
+                    400,
+                    f"text_1 has {len(firsts)} texts and text_2 {len(seconds)}: send one text_1 "
+                    f"(scored against each text_2) or as many as text_2 (scored in pairs)",
+                    param="text_2",
+                )
+            held.grow(len(firsts) + len(seconds), what="texts", param="text_2")
+            check_positive(request.truncate_prompt_tokens, "truncate_prompt_tokens")
+            cut = request.truncate_prompt_tokens
+            left = await self._encode(list(firsts), "text_1", cut)
+            right = await self._encode(list(seconds), "text_2", cut)
+            scores = _cosines([left[0]] * len(right) if len(left) == 1 else left, right)
+            data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
+            tokens = self._count("score", [*left, *right])
+            answer = list_response(data, self.model, tokens, f"score-{uuid.uuid4().hex}")
+        await host._respond(send, 200, _encoder.encode(answer), extra)
+
+    async def _rerank(self, scope: Scope, receive: Any, send: Send, extra: Any) -> None:
+        host = self.host
+        body = await host._read_body(scope, receive)
+        with host._admitted() as held:
+            request = await host._decode(body, RerankRequest)
+            host._check_model(request.model)
+            query = _texts(request.query, "query")
+            documents = _texts(request.documents, "documents")
+            held.grow(1 + len(documents), what="1 query + documents", param="documents")
+            check_positive(request.top_n, "top_n")
+            check_positive(request.truncate_prompt_tokens, "truncate_prompt_tokens")
+            cut = request.truncate_prompt_tokens
+            left = await self._encode(list(query), "query", cut)
+            right = await self._encode(list(documents), "documents", cut)
+            scores = _cosines([left[0]] * len(right), right)
+            order = sorted(range(len(scores)), key=lambda i: -scores[i])[: request.top_n]
+            results = [
+                {
+                    "index": i,
+                    "relevance_score": scores[i],
+                    **({"document": {"text": documents[i]}} if request.return_documents else {}),
+                }
+                for i in order
+            ]
+            tokens = self._count("rerank", [*left, *right])
+        answer = {
+            "id": f"rerank-{uuid.uuid4().hex}",
+            "model": self.model,
+            "usage": {"total_tokens": tokens},
+            "results": results,
+        }
+        await host._respond(send, 200, _encoder.encode(answer), extra)
+
+    # -- helpers -------------------------------------------------------------------------
+
+    async def _encode(
+        self, prompts: list[Prompt], field: str, truncate_prompt_tokens: int | None
+    ) -> list[PoolingOutput]:
+        """Every prompt as one pooling request, all at once (they batch in the engine)."""
+        results: list[PoolingOutput | None] = [None] * len(prompts)
+        errors: list[Exception] = []  # the first refusal is the answer (not a group of them)
+        offload = self.host.generation.inputs.offload.run
+
+        async def one(i: int, prompt: Prompt) -> None:
+            size = len(prompt)
+
+            async def run(fn: Callable[[], Any]) -> Any:
+                return await offload(size, fn)
+
+            try:
+                with _named(field):
+                    results[i] = await self.llm.encode(
+                        prompt,
+                        self.pooler.pooling_type,
+                        truncate_prompt_tokens=truncate_prompt_tokens,
+                        run=run,
+                    )
+            except Exception as exc:
+                errors.append(exc)
+                nursery.cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            for i, prompt in enumerate(prompts):
+                nursery.start_soon(one, i, prompt)
+        if errors:
+            raise errors[0]
+        done = [r for r in results if r is not None]
+        if done and self.hidden_size is None:
+            self.hidden_size = int(done[0].data.shape[1])
+        return done
+
+    def _check_dimensions(self, dimensions: int | None) -> None:
+        hidden = self.hidden_size
+        if dimensions is not None and hidden is not None and dimensions > hidden:
+            raise RequestError(
+                400,
+                f"dimensions is {dimensions}, more than the model's embedding size {hidden}: "
+                f"ask for at most {hidden}",
+                param="dimensions",
+            )
+
+    def _count(self, endpoint: str, outputs: Sequence[PoolingOutput]) -> int:
+        tokens = sum(o.num_prompt_tokens for o in outputs)
+        self.host.metrics.observe_pooling(endpoint, len(outputs), tokens)
+        return tokens
+
+
+def _texts(value: str | list[str], field: str) -> list[str]:
+    texts = [value] if isinstance(value, str) else value
+    if not texts or not all(texts):
+        raise RequestError(400, f"{field} is empty: send at least one non-empty text", param=field)
+    return texts
+
+
+def _cosines(left: Sequence[PoolingOutput], right: Sequence[PoolingOutput]) -> list[float]:
+    """Cosine similarity of each pair's first rows (float32, as vLLM's embedding scores)."""
+    a = np.stack([o.data[0] for o in left]).astype(np.float32)
+    b = np.stack([o.data[0] for o in right]).astype(np.float32)
+    a /= np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
+    b /= np.maximum(np.linalg.norm(b, axis=1, keepdims=True), 1e-12)
+    return [float(x) for x in (a * b).sum(1)]
+
+
+@contextmanager
+def _named(field: str) -> Iterator[None]:
+    """A prompt's refusal names the route's own field (`input`, `text_1`, `documents`...)."""
+    try:
+        yield
+    except PromptTooLongError as exc:
+        raise RequestError(400, str(exc), param=field) from None
+    except InvalidPromptError as exc:
+        raise RequestError(400, str(exc), param=field) from None
