@@ -19,9 +19,10 @@ wire shape (content blocks, the SSE events, Anthropic's error body) is `_anthrop
   schema) is `response_format`; `max_tokens`, `temperature`, `top_p`, `top_k` keep their names.
 - `thinking` (`enabled` with `budget_tokens` of at least 1024 and under `max_tokens`, or
   `adaptive`): the model's reasoning shows as `thinking` blocks when the server runs a
-  `--reasoning-parser` (`check_thinking` refuses `enabled` otherwise). The budget is bounded by
-  `max_tokens`, not enforced on its own. `disabled` turns off nothing: a reasoning model's
-  reasoning still shows as thinking blocks, as the server's parser splits every turn.
+  `--reasoning-parser` (`check_thinking` refuses `enabled` otherwise). `budget_tokens` is
+  vLLM's `thinking_token_budget`: after that many tokens of thought the grammar closes the
+  reasoning. `disabled` turns off nothing: a reasoning model's reasoning still shows as
+  thinking blocks, as the server's parser splits every turn.
 - `cache_control` (on the request, a block or a tool) is accepted: trillm caches every
   prompt prefix by itself. `workspace_id` and `user_profile_id` are accepted and unused
   (attribution to Anthropic's accounts; this server has none).
@@ -74,6 +75,7 @@ MESSAGES_RENAMES = {
     "user": "metadata.user_id",
     "response_format": "output_config.format",
     "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
+    "thinking_token_budget": "thinking.budget_tokens",
 }
 MIN_THINKING_BUDGET = 1024  # Anthropic's floor for thinking.budget_tokens
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # and "tool": named
@@ -151,6 +153,9 @@ def chat_request(request: MessagesRequest | CountTokensRequest) -> ChatCompletio
             "top_k": request.top_k,
             "user": metadata.user_id if metadata is not None else None,
         }
+    thinking = request.thinking
+    if thinking is not None and thinking.type == "enabled":  # at most its budget, then answer
+        fields["thinking_token_budget"] = thinking.budget_tokens
     return ChatCompletionRequest(
         model=request.model,
         messages=messages,

@@ -140,6 +140,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     response_format: ResponseFormat | None = None  # OpenAI's
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks shared only within one salt
     data_parallel_rank: int | None = None  # vLLM's: the engine to run on (`_rank`)
+    thinking_token_budget: int | None = None  # vLLM's: reasoning tokens at most (a grammar)
 
     def __post_init__(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -347,6 +348,7 @@ def to_sampling_params(
             ),
             structured_outputs=structured,
             cache_salt=request.cache_salt,
+            thinking_token_budget=request.thinking_token_budget,
         )
         if vocab_size is not None:
             params.check_vocab(vocab_size)

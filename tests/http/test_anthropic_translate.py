@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 import msgspec
+import msgspec.structs
 import pydantic
 import pytest
 from anthropic.lib.streaming._messages import accumulate_event
@@ -372,9 +373,12 @@ def test_thinking_is_checked_as_anthropic_checks_it(thinking: Any, param: str, w
     assert words in err.message
 
 
-def test_thinking_within_its_budget_translates() -> None:
+def test_thinking_within_its_budget_is_vllms_thinking_token_budget() -> None:
     enabled = {"type": "enabled", "budget_tokens": 1024}
-    assert translate(thinking=enabled, max_tokens=1025) == translate(max_tokens=1025)
+    chat = translate(thinking=enabled, max_tokens=1025)
+    assert chat.thinking_token_budget == 1024
+    assert msgspec.structs.replace(chat, thinking_token_budget=None) == translate(max_tokens=1025)
+    assert translate(thinking={"type": "adaptive"}).thinking_token_budget is None
     translate(CountTokensRequest, thinking=enabled)  # no max_tokens to be under
 
 

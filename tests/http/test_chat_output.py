@@ -4,11 +4,13 @@ constraints that start once the reasoning ends."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
+import llguidance
 import pytest
 
 from trillm.engine.client import StructuredOutputs
-from trillm.engine.client._structured import after_reasoning
+from trillm.engine.client._structured import after_reasoning, free_text
 from trillm.http._chat_output import ChatOutputParser, ChatParts
 
 from ..grammars import accepts
@@ -68,3 +70,27 @@ def test_a_grammar_applies_after_the_reasoning(mode: str, ll_tokenizer: object) 
     assert not accepts(grammar, thought + '</think>{"a": "twelve"}', ll_tokenizer)  # type: ignore[arg-type]
     assert accepts(grammar, '{"a": 1}', ll_tokenizer) == (mode == "qwen3")  # type: ignore[arg-type]
     assert json.loads(grammar)["grammars"][0]["name"] == "reasoning"
+
+
+@pytest.mark.parametrize("mode", ["qwen3", "deepseek_r1"])
+@pytest.mark.parametrize("budget", [0, 1, 5])
+def test_a_thinking_budget_closes_the_reasoning_at_its_count(
+    mode: str, budget: int, ll_tokenizer: Any
+) -> None:
+    """After `budget` tokens of thought the mask holds only </think>; a thought the model
+    closes itself within the budget ends there, and free text follows either way. (A model's
+    own close counts toward the budget: here </think> is three tokens; a reasoning model's is
+    one special token.)"""
+    grammar = after_reasoning(free_text(mode), mode, budget)
+    start = "<think>" if mode == "qwen3" else ""
+    words = ll_tokenizer.tokenize_str(" one two three four five six seven")
+    matcher = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
+    assert matcher.consume_tokens(ll_tokenizer.tokenize_str(start))
+    assert matcher.consume_tokens(words[:budget])
+    assert matcher.compute_ff_bytes() == b"</think>"  # only the close may follow now
+    assert matcher.validate_tokens(words[budget : budget + 1]) == 0
+    if budget >= 4:  # room for a word and the model's own </think> (three tokens here)
+        assert accepts(grammar, start + " one</think> answer", ll_tokenizer)
+    assert accepts(
+        grammar, start + ll_tokenizer.decode_str(words[:budget]) + "</think>\nok", ll_tokenizer
+    )

@@ -399,3 +399,34 @@ def test_under_a_reasoning_parser_the_format_holds_after_the_reasoning(tiny_mode
         assert getattr(message, "reasoning", None) is None
     finally:
         assert server.stop() == 0
+
+
+def test_a_thinking_token_budget_closes_the_reasoning(tiny_model: Path) -> None:
+    """deepseek_r1: the reply starts inside the reasoning, which the tiny model never closes;
+    with vLLM's thinking_token_budget the grammar closes it after that many tokens. Greedy, the
+    budgeted reasoning is the start of the unbounded one (the mask bites only at the budget)."""
+    server = start_server(tiny_model, "--reasoning-parser", "deepseek_r1")
+    try:
+        client = sdk(server)
+        ask: Any = dict(model="tiny", messages=ASK, max_tokens=40, temperature=0)
+        free = client.chat.completions.create(**ask).choices[0].message
+        bounded = client.chat.completions.create(**ask, extra_body={"thinking_token_budget": 6})
+        message = bounded.choices[0].message
+        unbounded_reasoning = getattr(free, "reasoning", None) or ""
+        reasoning = getattr(message, "reasoning", None) or ""
+        assert reasoning and len(reasoning) < len(unbounded_reasoning)
+        assert unbounded_reasoning.startswith(reasoning)
+        assert bounded.usage is not None and bounded.usage.completion_tokens > 6 + 3
+        assert "</think>" not in (message.content or "")
+        with pytest.raises(openai.BadRequestError, match="thinking_token_budget must be >= 0"):
+            client.chat.completions.create(**ask, extra_body={"thinking_token_budget": -1})
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_thinking_token_budget_needs_a_reasoning_parser(agent_server: Server) -> None:
+    with pytest.raises(openai.BadRequestError, match="no reasoning parser") as info:
+        sdk(agent_server).chat.completions.create(
+            model="tiny", messages=ASK, max_tokens=4, extra_body={"thinking_token_budget": 8}
+        )
+    assert info.value.param == "thinking_token_budget"

@@ -36,7 +36,13 @@ from ._prepared import PreparedRequest
 from ._restarts import RestartPolicy
 from ._sampling_params import SamplingParams
 from ._streams import RequestStream
-from ._structured import GrammarChecker, after_reasoning, build_ll_tokenizer
+from ._structured import (
+    GrammarChecker,
+    StructuredOutputError,
+    after_reasoning,
+    build_ll_tokenizer,
+    free_text,
+)
 from ._token_pieces import TokenPieces
 from ._tokenizer import load_tokenizer
 
@@ -327,8 +333,19 @@ class AsyncLLM:
         Raises:
             StructuredOutputError: invalid, too large, or not checked in time.
         """
+        budget, parser = params.thinking_token_budget, self.config.reasoning_parser
+        if budget is not None and parser is None:
+            raise StructuredOutputError(
+                "thinking_token_budget",
+                "thinking_token_budget needs a reasoning model: this server runs no reasoning "
+                "parser (start it with --reasoning-parser), so it has no thinking to bound",
+            )
         if params.structured_outputs is None:
-            return ""
+            return (
+                ""
+                if budget is None or parser is None
+                else after_reasoning(free_text(parser), parser, budget)
+            )
         if self._grammar_checker is None:
             tokenizer, vocab = self.tokenizer, self.ready.vocab_size
             self._grammar_checker = GrammarChecker(
@@ -337,8 +354,8 @@ class AsyncLLM:
                 budget=self.config.grammar_budget,
             )
         grammar = await self._grammar_checker.check(params.structured_outputs)
-        if self.config.reasoning_parser is not None:
-            grammar = after_reasoning(grammar, self.config.reasoning_parser)
+        if parser is not None:
+            grammar = after_reasoning(grammar, parser, budget)
         return grammar
 
     async def utility(

@@ -113,6 +113,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # tenant's key); None shares with the other unsalted requests. Mixed into the first
     # block's hash by the engine; not a sampling setting, but it travels with the request.
     cache_salt: str | None = None
+    # vLLM's: at most this many tokens of reasoning, then the reasoning is closed (the
+    # grammar writes </think>). Needs the server's reasoning parser (`LLMConfig`).
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -149,6 +152,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
                 self.min_tokens,
                 f"<= max_tokens ({self.max_tokens})",
             )
+        if self.thinking_token_budget is not None:
+            budget = self.thinking_token_budget
+            _require(budget >= 0, "thinking_token_budget", budget, ">= 0")
         for field in ("logprobs", "prompt_logprobs"):
             k = getattr(self, field)
             if k is not None:

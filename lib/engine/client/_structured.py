@@ -19,6 +19,7 @@ The constraint kinds are vLLM's `structured_outputs` (`json`, `regex`, `choice`,
 from __future__ import annotations
 
 import json
+import re
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -257,14 +258,43 @@ _REASONING_LARK = {
     "deepseek_r1": 'start: think SPACE? @inner\nthink[lazy]: TEXT "</think>"\n',
     "qwen3": 'start: (think SPACE?)? @inner\nthink[lazy]: "<think>" TEXT "</think>"\n',
 }
+# With a thinking budget the thought is a lexeme of at most that many tokens that the model's
+# own </think> ends (its `stop`); at the budget the grammar then writes </think> itself.
+_BUDGETED_LARK = {
+    "deepseek_r1": 'start: think SPACE? @inner\nthink: thought "</think>"\n',
+    "qwen3": 'start: (think SPACE?)? @inner\nthink: "<think>" thought "</think>"\n',
+}
 
 
-def after_reasoning(grammar: str, reasoning_parser: str) -> str:
+def free_text(reasoning_parser: str) -> str:
+    """The inner grammar of a request with a thinking budget and no constraint: any text, but
+    for qwen3 none that opens with <think> (whose thought is optional: a <think> that the
+    free text could also take would leave the budget unenforced)."""
+    if reasoning_parser != "qwen3":
+        return json.dumps({"grammars": [{"lark_grammar": "start: /(.|\\n)*/\n"}]})
+    tag = "<think>"
+    diverging = [re.escape(tag[:k]) + f"[^{re.escape(tag[k])}]" for k in range(len(tag))]
+    prefixes = [re.escape(tag[:k]) for k in range(1, len(tag))]
+    regex = f"(?:{'|'.join(diverging)})(?:.|\\n)*|{'|'.join(prefixes)}|"
+    regex = regex.replace("/", "\\/")
+    return json.dumps({"grammars": [{"lark_grammar": f"start: /{regex}/\n"}]})
+
+
+def after_reasoning(grammar: str, reasoning_parser: str, budget: int | None = None) -> str:
     """`grammar` (llguidance's JSON form) applied only once the reasoning has ended: the mask
-    allows any text until ``</think>``, then holds the output to `grammar`."""
+    allows any text until ``</think>``, then holds the output to `grammar`. With a `budget`
+    (vLLM's thinking_token_budget), the reasoning ends after at most that many tokens: the
+    mask then allows only ``</think>``."""
     inner = json.loads(grammar)["grammars"]
     inner[0] = {**inner[0], "name": "inner"}
-    lark = _REASONING_LARK[reasoning_parser] + "TEXT: /(.|\\n)*/\nSPACE: /[ \\n]+/\n"
+    if budget is None:
+        lark = _REASONING_LARK[reasoning_parser] + "TEXT: /(.|\\n)*/\n"
+    elif budget == 0:  # no thought at all: the reasoning is closed at once
+        lark = _BUDGETED_LARK[reasoning_parser].replace(" thought", "")
+    else:
+        thought = f'thought[stop="</think>", max_tokens={budget}]: /(.|\\n)*/\n'
+        lark = _BUDGETED_LARK[reasoning_parser] + thought
+    lark += "SPACE: /[ \\n]+/\n"
     return json.dumps({"grammars": [{"name": "reasoning", "lark_grammar": lark}, *inner]})
 
 
