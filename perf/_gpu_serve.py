@@ -5,8 +5,12 @@ The served model has Llama 3.2 1B's shape but SmolLM2's tokenizer and so its voc
 random weights (`--load-format dummy`). `bench_serve.py` (run in this process) streams random
 prompts at concurrency 1 and 64; meanwhile `nvidia-smi` samples the GPU's utilisation (the
 fraction of time a kernel was running) every 100 ms, and each run reports the mean over its
-own window as `gpu_busy_fraction`. The JSON is rewritten after every run, so a run cut short
-by `--deadline` still reports the ones before it.
+own window as `gpu_busy_fraction`.
+
+Bounded by `--deadline` (seconds from start): the server's start-up wait, the warm-up and every
+run check it first and take at most what is left (a run that does not fit is skipped, saying
+so). The JSON is rewritten after every run, and on SIGTERM (gpu_check.sh's bound) before the
+server is stopped, so a check cut short still reports what ran.
 
     python perf/_gpu_serve.py --json PATH [--dry-run] [--tokenizer-dir DIR] [--deadline S]
 """
@@ -40,6 +44,7 @@ import bench_serve  # noqa: E402
 from gpu_bench import LLAMA_1B, TINY, llama_config, write_model_dir  # noqa: E402
 
 SMOLLM2_VOCAB = 49152
+MIN_RUN_S = 5  # a run with less time left than this is skipped
 # Where `make gpu-wheels` puts the tokenizer for a machine that lacks the default model.
 CARRIED_TOKENIZER = ROOT / ".whl" / "smollm2-tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -84,7 +89,7 @@ GPU_PLAN = Plan(
     input_len=512,
     output_len=128,
     runs=((1, 16), (64, 256)),
-    warmup=(64, 64, 16),
+    warmup=(4, 4, 4),  # compiles the kernels (the graphs are captured at start-up)
     startup_timeout=150,
 )
 DRY_PLAN = Plan(
@@ -170,8 +175,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def open_server(model_dir: Path, plan: Plan, port: int) -> Iterator[tuple[str, float]]:
-    """`trillm serve` healthy on `port`: its base URL and start-up seconds; stopped after."""
+def open_server(
+    model_dir: Path, plan: Plan, port: int, startup_timeout: float
+) -> Iterator[tuple[str, float]]:
+    """`trillm serve` healthy on `port` within `startup_timeout` s: its base URL and start-up
+    seconds; stopped after."""
     command = [
         sys.executable, "-m", "trillm.cli", "serve", str(model_dir), "--port", str(port),
         "--load-format", "dummy", "--served-model-name", MODEL_NAME, "--max-num-seqs", "64",
@@ -188,15 +196,18 @@ def open_server(model_dir: Path, plan: Plan, port: int) -> Iterator[tuple[str, f
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
                     break
-            if time.monotonic() - start > plan.startup_timeout:
-                raise RuntimeError(f"trillm serve was not healthy in {plan.startup_timeout} s")
+            if time.monotonic() - start > startup_timeout:
+                raise RuntimeError(
+                    f"trillm serve was not healthy in {startup_timeout:.0f} s (the plan's "
+                    f"{plan.startup_timeout:g} s, or what was left of --deadline)"
+                )
             time.sleep(0.2)
         yield base_url, time.monotonic() - start
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
         try:
-            process.wait(timeout=30)
+            process.wait(timeout=15)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
@@ -209,14 +220,17 @@ def bench(
     prompts: int,
     lens: tuple[int, int],
     save: Path,
+    timeout: float,
 ) -> tuple[int, float]:
-    """One `bench_serve.py` run in this process: its exit status and when it ended."""
+    """One `bench_serve.py` run in this process (each request bounded by `timeout` s): its
+    exit status and when it ended."""
     argv = [
         "--base-url", base_url, "--model", MODEL_NAME, "--tokenizer", str(tokenizer),
         "--dataset", "random", "--random-input-len", str(lens[0]),
         "--random-output-len", str(lens[1]), "--prompt-format", "ids", "--ignore-eos",
         "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
-        "--request-timeout", "120", "--seed", str(concurrency), "--save-result", str(save),
+        "--request-timeout", f"{timeout:.0f}", "--seed", str(concurrency),
+        "--save-result", str(save),
     ]  # fmt: skip
     print(f"$ bench_serve.py {' '.join(argv)}", flush=True)
     status = bench_serve.main(argv)
@@ -249,23 +263,32 @@ def run(args: argparse.Namespace, result: dict[str, Any], work: Path) -> None:
     """Serve, warm up, and bench each concurrency into `result` (written after each run)."""
     plan = DRY_PLAN if args.dry_run else GPU_PLAN
     deadline = time.monotonic() + args.deadline
+
+    def left() -> float:
+        return deadline - time.monotonic()
+
     tokenizer_dir = find_tokenizer_dir(args.tokenizer_dir)
     model_dir = write_served_model(work / "model", plan.shape, tokenizer_dir)
     result["model"]["tokenizer"] = str(tokenizer_dir)
-    with open_gpu_sampler() as sampler, open_server(model_dir, plan, free_port()) as server:
+    startup_timeout = min(plan.startup_timeout, left())
+    with (
+        open_gpu_sampler() as sampler,
+        open_server(model_dir, plan, free_port(), startup_timeout) as server,
+    ):
         base_url, result["startup_s"] = server
         concurrency, prompts, output_len = plan.warmup
-        bench(base_url, model_dir, concurrency, prompts, (plan.input_len, output_len), work / "w")
+        lens = (plan.input_len, output_len)
+        bench(base_url, model_dir, concurrency, prompts, lens, work / "w", max(left(), 1))
         for concurrency, prompts in plan.runs:
             row: dict[str, Any] = {"concurrency": concurrency, "num_prompts": prompts}
             result["runs"].append(row)
-            if time.monotonic() > deadline:
-                row["error"] = f"skipped: past the {args.deadline:g} s deadline"
+            if left() < MIN_RUN_S:
+                row["error"] = f"skipped: under {MIN_RUN_S} s of the {args.deadline:g} s left"
                 result["problems"].append(f"concurrency {concurrency}: {row['error']}")
                 continue
             save = work / f"c{concurrency}.json"
             lens = (plan.input_len, plan.output_len)
-            status, end = bench(base_url, model_dir, concurrency, prompts, lens, save)
+            status, end = bench(base_url, model_dir, concurrency, prompts, lens, save, left())
             if status != 0 or not save.exists():
                 row["error"] = f"bench_serve.py exited {status}"
                 result["problems"].append(f"concurrency {concurrency}: {row['error']}")
@@ -293,8 +316,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer-dir", type=Path, help="SmolLM2's tokenizer files")
     parser.add_argument("--deadline", type=float, default=170.0, help="seconds for every run")
     args = parser.parse_args(argv)
-    # A timeout's SIGTERM unwinds through the `with` blocks, so the server is stopped too.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     plan = DRY_PLAN if args.dry_run else GPU_PLAN
     has_cuda = not args.dry_run and torch.cuda.is_available()
     shape = plan.shape
@@ -313,6 +334,16 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [],
         "problems": [],
     }
+
+    def interrupted(signum: int, frame: object) -> None:
+        """SIGTERM (the part's bound): report what ran, then unwind through the `with`
+        blocks, which stop the server."""
+        result["problems"].append("interrupted by SIGTERM (gpu_check.sh's bound for the part)")
+        write(args.json, result)
+        sys.exit(128 + signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, interrupted)
+    write(args.json, result)  # a report exists from the start
     if not args.dry_run and not has_cuda:
         result["problems"].append("no CUDA device: run with --dry-run to check it on CPU")
     else:

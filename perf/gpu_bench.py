@@ -6,14 +6,15 @@ the real `ModelRunner`, driven step by step (`tests/gpu/driver.py`):
 
 - decode: B prompts of `--context` tokens prefilled in one step, then one decode step per
   token; the median step time (synchronised wall clock, so host work counts) at each batch
-  size, eager (`enforce_eager=True`) and with CUDA graphs, each against the roofline: the
+  size with CUDA graphs, and eager (`enforce_eager=True`) at `--eager-batches` (batch 1: the
+  launch-bound case, where graphs matter most), each against the roofline: the
   bytes a step must read from HBM (every weight once, plus the KV cache of every sequence)
   over the copy bandwidth measured in this run (a large device-to-device copy, counting bytes
   read and written). Graph replays are counted by wrapping `torch.cuda.CUDAGraph.replay`,
   so a decode that silently ran eager shows;
 - prefill: one prompt of 512 and of 2048 tokens; TFLOP/s of the matmuls and causal attention.
 
-    python perf/gpu_bench.py [--json PATH] [--batches 1,8,32,64] [--context 512]
+    python perf/gpu_bench.py [--json PATH] [--batches 1,8,32,64] [--eager-batches 1] [--context 512]
     python perf/gpu_bench.py --dry-run   # the same code on CPU: a tiny model, 2 iterations
 """
 
@@ -293,12 +294,16 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def decode_times(
     runner: ModelRunner, batches: list[int], context: int, steps: int
 ) -> dict[int, tuple[float, int]]:
-    """Per batch size: the median decode step (s) and how many CUDA graph replays it made."""
+    """Per batch size: the median decode step (s) and how many CUDA graph replays it made.
+
+    The warm-up (kernels compiled, caches filled) prefills one block per sequence, not the
+    run's whole context: at batch 64 that is 1k tokens rather than 32k."""
     vocab = runner.model_config.vocab_size
     result = {}
     for b in batches:
+        warm = prompts(b, BLOCK_SIZE, vocab, seed=-b % 2**31)
+        run_requests(runner, warm, 3, first_rnum=10_000 * b)
         batch = prompts(b, context, vocab, seed=b)
-        run_requests(runner, batch, 3, first_rnum=10_000 * b)  # warm-up: compiles, caches
         with counting_graph_replays() as replays:
             times = run_requests(runner, batch, steps + 1, first_rnum=10_000 * b + 1000)
         result[b] = (statistics.median(times[1:]), replays[0])
@@ -330,24 +335,26 @@ def benchmark(args: argparse.Namespace, device: torch.device, model_dir: Path) -
     mc = open_model(str(model_dir), "dummy")[0]
     element = torch.empty(0, dtype=torch.bfloat16).element_size()
     batches = [int(b) for b in args.batches.split(",")]
+    eager_batches = [int(b) for b in args.eager_batches.split(",")]
     lengths = [int(n) for n in args.prefill_lens.split(",")]
     blocks_per_seq = -(-(max(args.context + args.steps + 4, max(lengths) + 2)) // BLOCK_SIZE)
-    num_blocks = max(batches) * blocks_per_seq + 8
     bandwidth = copy_bandwidth(device, args.copy_mib << 20, args.repeats)
     decode: dict[str, dict[int, tuple[float, int]]] = {}
     captures: dict[str, dict[str, Any]] = {}
     prefill: dict[int, float] = {}
-    for mode, eager in (("eager", True), ("graphs", False)):
+    for mode, eager, sizes in (("eager", True, eager_batches), ("graphs", False, batches)):
+        # Sized to this mode's runs: the largest batch's one-step prefill (and, eager, the
+        # prefill lengths), its KV blocks and rows.
         runner, captures[mode] = open_runner(
             model_dir,
             device,
             enforce_eager=eager,
             attention_backend=args.attention_backend,
-            num_blocks=num_blocks,
-            max_num_seqs=max(batches),
-            max_num_batched_tokens=max(max(batches) * args.context, max(lengths)),
+            num_blocks=max(sizes) * blocks_per_seq + 8,
+            max_num_seqs=max(sizes),
+            max_num_batched_tokens=max(max(sizes) * args.context, max(lengths) if eager else 0),
         )
-        decode[mode] = decode_times(runner, batches, args.context, args.steps)
+        decode[mode] = decode_times(runner, sizes, args.context, args.steps)
         if eager:  # graphs are decode-only: the prefill is the same either way
             prefill = prefill_times(runner, lengths, args.repeats)
         del runner
@@ -358,24 +365,22 @@ def benchmark(args: argparse.Namespace, device: torch.device, model_dir: Path) -
     for b in batches:
         kv = kv_bytes(mc, round(b * mean_context), element)
         roofline_s = (weights + kv) / bandwidth
-        (eager_s, eager_replays), (graphs_s, graphs_replays) = (
-            decode["eager"][b],
-            decode["graphs"][b],
-        )
+        graphs_s, graphs_replays = decode["graphs"][b]
+        eager_s, eager_replays = decode["eager"].get(b, (None, None))  # None: not run eager
         decode_rows.append(
             {
                 "batch": b,
                 "context": args.context,
                 "decode_steps": args.steps,
-                "eager_ms": eager_s * 1e3,
+                "eager_ms": eager_s and eager_s * 1e3,
                 "graphs_ms": graphs_s * 1e3,
-                "graphs_speedup": eager_s / graphs_s,
-                "eager_tok_s": b / eager_s,
+                "graphs_speedup": eager_s and eager_s / graphs_s,
+                "eager_tok_s": eager_s and b / eager_s,
                 "graphs_tok_s": b / graphs_s,
                 "weight_bytes": weights,
                 "kv_bytes": kv,
                 "roofline_ms": roofline_s * 1e3,
-                "eager_of_roofline": roofline_s / eager_s,
+                "eager_of_roofline": eager_s and roofline_s / eager_s,
                 "graphs_of_roofline": roofline_s / graphs_s,
                 "eager_graph_replays": eager_replays,
                 "graph_replays": graphs_replays,
@@ -433,10 +438,13 @@ def table(result: dict[str, Any]) -> list[str]:
         "batch  eager ms  graphs ms  speedup  roofline ms  eager/roof  graphs/roof  replays",
     ]
     for r in result["decode"]:
+        eager = r["eager_ms"] is not None  # eager runs only at --eager-batches
+        eager_ms = f"{r['eager_ms']:.3f}" if eager else "-"
+        speedup = f"{r['graphs_speedup']:.2f}x" if eager else "-"
+        of_roof = f"{r['eager_of_roofline']:.0%}" if eager else "-"
         lines.append(
-            f"{r['batch']:>5}  {r['eager_ms']:8.3f}  {r['graphs_ms']:9.3f}  "
-            f"{r['graphs_speedup']:6.2f}x  {r['roofline_ms']:11.3f}  "
-            f"{r['eager_of_roofline']:9.0%}  {r['graphs_of_roofline']:10.0%}  "
+            f"{r['batch']:>5}  {eager_ms:>8}  {r['graphs_ms']:9.3f}  {speedup:>7}  "
+            f"{r['roofline_ms']:11.3f}  {of_roof:>9}  {r['graphs_of_roofline']:10.0%}  "
             f"{r['graph_replays']:>3}/{r['decode_steps']}"
         )
     capture = result["capture"]["graphs"]
@@ -458,7 +466,8 @@ def table(result: dict[str, Any]) -> list[str]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, a tiny model, 2 iterations")
-    parser.add_argument("--batches", default="1,8,32,64")
+    parser.add_argument("--batches", default="1,8,32,64", help="decode batches, graphs")
+    parser.add_argument("--eager-batches", default="1", help="decode batches run eager too")
     parser.add_argument("--context", type=int, help="prompt tokens per sequence (default 512)")
     parser.add_argument("--steps", type=int, help="decode steps timed (default 32)")
     parser.add_argument("--prefill-lens", help="prompt lengths (default 512,2048)")

@@ -3,18 +3,25 @@
 # The one prepared check for a lent GPU machine (an H200): tests, a model benchmark, a server.
 #
 #   bash perf/gpu_check.sh [--dry-run]        OUT=DIR (default ./gpu-check-out)
-#   on the device: run(command="bash perf/gpu_check.sh", carry=[".whl"], timeout_s=540),
+#   on the device: run(command="bash perf/gpu_check.sh", carry=[".whl"], timeout_s=420),
 #   after `make gpu-wheels` here (the wheels the machine lacks, and SmolLM2's tokenizer).
 #
-# Parts, in order; each is bounded in time, recorded, and run whatever the others did:
+# Parts, in order; each is bounded in time and recorded:
 #   setup   pip install .whl/*.whl into a temporary --target (no index, no deps), trillm = lib/
-#           there; an import check of what the parts need; the device (CUDA is required)
-#   pytest  pytest -m gpu tests/gpu: tests/gpu/test_cuda.py and any other gpu-marked test
-#   bench   perf/gpu_bench.py: decode eager vs CUDA graphs against the roofline, prefill TFLOP/s
+#           there; an import check of what each part needs; the device (CUDA is required)
+#   pytest  pytest -m gpu on the files that hold gpu-marked tests (test_cuda.py, ...)
+#   bench   perf/gpu_bench.py: decode with CUDA graphs at 4 batch sizes, eager at batch 1,
+#           against the roofline; prefill TFLOP/s
 #   serve   perf/_gpu_serve.py: trillm serve of a dummy 1B-shaped model under bench_serve.py at
 #           concurrency 1 and 64 (TTFT, TPOT, output tok/s, GPU busy fraction)
-# --dry-run installs nothing and runs on CPU: the gpu tests collected (they skip), gpu_bench.py
-# and the serve part on tiny models. Everything ends within BUDGET_S: 7.75 minutes (4 dry).
+# Fail-fast: a part whose imports (or, on the device, CUDA) the setup found missing is skipped
+# and its log and the summary say why. The deadline is checked before every part; the whole
+# check ends within BUDGET_S (5.5 minutes; 4 dry), so a rerun fits a 15-minute lease. SIGTERM
+# or SIGINT stops the running part and still writes every result file.
+# --dry-run installs nothing and runs on CPU: the imports checked, the gpu tests collected
+# (they skip), gpu_bench.py and the serve part on tiny models. `make gpu-rehearsal` runs it in
+# a venv of only the device image's packages and the carried wheels. PYTHON=... picks the
+# interpreter; TOKENIZER_DIR=... SmolLM2's tokenizer for the serve part (default: .whl/).
 #
 # Writes $OUT/gpu_check.json (every part's status and results), $OUT/summary.txt and one log
 # per part: six files (the device returns eight at most). Exits 0 when every part passed.
@@ -29,36 +36,50 @@ for arg in "$@"; do
   esac
 done
 
-BUDGET_S=$((DRY_RUN ? 240 : 465))
+BUDGET_S=$((DRY_RUN ? 240 : 330))
 OUT=${OUT:-$PWD/gpu-check-out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 2
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
+SITE=$WORK/site # the carried wheels (setup installs them) and trillm, linked to lib/
+mkdir -p "$SITE" && ln -sfn "$REPO/lib" "$SITE/trillm" # trillm is lib/ (pyproject's package-dir)
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# The files that hold gpu-marked tests: collecting the rest of tests/gpu builds the C kernels
+# and probes the CPU's, which the device needs no time for.
+mapfile -t GPU_TESTS < <(grep -rlE 'pytest\.mark\.gpu\b' tests --include='test_*.py' | sort)
 if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then PYTHON=$REPO/.venv/bin/python; else PYTHON=python3; fi
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 DRY_FLAG=()
 [ "$DRY_RUN" = 1 ] && DRY_FLAG=(--dry-run)
+TOKENIZER_FLAG=()
+[ -n "${TOKENIZER_DIR:-}" ] && TOKENIZER_FLAG=(--tokenizer-dir "$TOKENIZER_DIR")
+PARTS=(setup pytest bench serve)
 rm -f "$OUT"/gpu_check.json "$OUT"/summary.txt "$OUT"/{setup,pytest,bench,serve}.log
 : >"$WORK/parts.tsv"
 FAILED=0
 
-# The import check: what the parts import, the versions, and the device, into env.json.
+# The import check: what each part imports, the versions, and the device, into env.json; a
+# part whose imports failed (or, on the device, that finds no CUDA) goes into blocked.tsv with
+# why, and is skipped.
 IMPORT_CHECK=$(
   cat <<'EOF'
 import importlib, json, subprocess, sys
-path, dry = sys.argv[1], sys.argv[2] == "1"
-needed = [
-    "numpy", "torch", "triton", "transformers", "tokenizers", "safetensors", "gguf", "tqdm",
-    "trio", "outcome", "sniffio", "msgspec", "posix_ipc", "hypercorn", "h2", "wsproto",
-    "llguidance", "prometheus_client", "httpx", "pytest", "pytest_trio", "pytest_timeout",
-    "hypothesis", "trillm.cli", "trillm.http._server", "trillm.engine", "trillm.gpu",
-]
+path, blocked_path, dry = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+runtime = ["numpy", "torch", "triton", "transformers", "tokenizers", "safetensors", "gguf",
+           "tqdm", "llguidance", "trio", "outcome", "sniffio", "msgspec", "posix_ipc"]
+needs = {
+    "pytest": [*runtime, "pytest", "pytest_trio", "pytest_timeout", "hypothesis", "trillm.gpu",
+               "trillm.engine", "tests.conftest", "tests.gpu.conftest"],
+    "bench": [*runtime, "trillm.gpu", "tests.gpu.driver"],
+    "serve": [*runtime, "hypercorn", "h2", "wsproto", "prometheus_client", "httpx", "jinja2",
+              "trillm.cli", "trillm.http", "trillm.engine"],
+}
 versions, missing = {}, {}
-for name in needed:
+for name in dict.fromkeys(n for names in needs.values() for n in names):
     try:
         versions[name] = getattr(importlib.import_module(name), "__version__", None)
     except Exception as exc:  # any failure to import is what this check reports
@@ -74,11 +95,22 @@ try:
     env["nvidia_smi"] = subprocess.run(query, capture_output=True, text=True, timeout=20).stdout.strip()
 except (OSError, subprocess.SubprocessError):
     pass
+blocked = {}
+for part, names in needs.items():
+    lacking = [n for n in names if n in missing]
+    if lacking:
+        blocked[part] = f"setup could not import {', '.join(lacking)}"
+    elif not dry and not env["cuda"]:
+        blocked[part] = "no CUDA device visible to torch (setup)"
+env["blocked"] = blocked
 json.dump(env, open(path, "w"), indent=1)
+with open(blocked_path, "w") as f:
+    f.writelines(f"{part}\t{why}\n" for part, why in blocked.items())
 print(json.dumps(env, indent=1))
 problems = [f"cannot import {k}: {v}" for k, v in missing.items()]
 if not dry and not env["cuda"]:
     problems.append("no CUDA device visible to torch (a dry run needs none: --dry-run)")
+problems += [f"{part} will be skipped: {why}" for part, why in blocked.items()]
 print("\n".join(problems) or "imports and device: ok")
 sys.exit(1 if problems else 0)
 EOF
@@ -108,13 +140,14 @@ sys.exit(1 if bad else 0)
 EOF
 )
 
-# gpu_check.json and summary.txt from what the parts left in $WORK; run after every part, so
-# a check cut short still reports the parts before.
+# gpu_check.json and summary.txt from what the parts left in $WORK; run after every part (and
+# on SIGTERM), so a check cut short still reports the parts before.
 REPORT=$(
   cat <<'EOF'
 import json, sys
 from pathlib import Path
-work, out, dry, finished, seconds = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1", int(sys.argv[5])
+work, out, dry, finished, seconds = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1", sys.argv[4], int(sys.argv[5])
+names = sys.argv[6].split()
 def load(name):
     try:
         return json.loads((work / name).read_text())
@@ -122,21 +155,23 @@ def load(name):
         return None
 parts = {}
 for line in (work / "parts.tsv").read_text().splitlines():
-    name, rc, secs, note = line.split("\t")
-    parts[name] = {"ok": rc == "0", "rc": int(rc), "seconds": int(secs),
-                   "timed_out": rc in ("124", "137"), "note": note, "log": f"{name}.log"}
-ok = finished and len(parts) == 4 and all(p["ok"] for p in parts.values())
-report = {"dry_run": dry, "finished": finished, "ok": ok, "seconds": seconds, "parts": parts,
-          "env": load("env.json"), "pytest": load("pytest.json"), "bench": load("bench.json"),
-          "serve": load("serve.json")}
+    name, rc, secs, state, note = line.split("\t")
+    parts[name] = {"ok": state == "ok", "rc": int(rc), "seconds": int(secs), "state": state,
+                   "skipped": state == "skipped", "timed_out": state == "timed out",
+                   "note": note, "log": f"{name}.log"}
+interrupted = finished == "interrupted"
+done = finished in ("1", "interrupted")
+ok = finished == "1" and list(parts) == names and all(p["ok"] for p in parts.values())
+report = {"dry_run": dry, "finished": done, "interrupted": interrupted, "ok": ok,
+          "seconds": seconds, "parts": parts, "env": load("env.json"),
+          "pytest": load("pytest.json"), "bench": load("bench.json"), "serve": load("serve.json")}
 (out / "gpu_check.json").write_text(json.dumps(report, indent=1) + "\n")
 env = report["env"] or {}
-status = "PASS" if ok else ("FAIL" if finished else "RUNNING")
+status = "PASS" if ok else "INTERRUPTED" if interrupted else "FAIL" if done else "RUNNING"
 lines = [f"gpu_check{' --dry-run' if dry else ''} on {env.get('device') or '?'} "
          f"({env.get('nvidia_smi') or 'no nvidia-smi'}): {status} in {seconds} s"]
 for name, p in parts.items():
-    extra = " (timed out)" if p["timed_out"] else ""
-    lines.append(f"  {name:<7} {'ok' if p['ok'] else 'FAILED':<6} rc {p['rc']:<3} {p['seconds']:>4} s{extra} {p['note']}")
+    lines.append(f"  {name:<7} {p['state']:<11} rc {p['rc']:<3} {p['seconds']:>4} s  {p['note']}".rstrip())
 if report["pytest"]:
     lines.append(f"pytest: {report['pytest']}")
 lines += [f"cannot import {k}: {v}" for k, v in env.get("missing", {}).items()]
@@ -144,13 +179,14 @@ for name in ("bench", "serve"):
     if report[name]:
         lines += [""] + report[name].get("table", [])
 (out / "summary.txt").write_text("\n".join(lines) + "\n")
-if finished:
+if done:
     print("\n".join(lines))
 EOF
 )
 
-report() { # report FINISHED
-  "$PYTHON" -c "$REPORT" "$WORK" "$OUT" "$DRY_RUN" "$1" "$SECONDS" || echo "gpu_check.sh: the report failed" >&2
+report() { # report FINISHED: 0 (a part is next), 1 (all ran) or interrupted
+  "$PYTHON" -c "$REPORT" "$WORK" "$OUT" "$DRY_RUN" "$1" "$SECONDS" "${PARTS[*]}" ||
+    echo "gpu_check.sh: the report failed" >&2
 }
 
 limit() { # limit OWN_S: OWN_S, or less so that the whole check ends within BUDGET_S (>= 1)
@@ -159,50 +195,107 @@ limit() { # limit OWN_S: OWN_S, or less so that the whole check ends within BUDG
   echo $((left < 1 ? 1 : left))
 }
 
-part() { # part NAME OWN_S FUNCTION: run FUNCTION LIMIT_S with its output in NAME.log; record
-  local name=$1 own=$2 fn=$3 started=$SECONDS rc=0 bound note=""
-  bound=$(limit "$own")
-  echo "== $name: at most $bound s"
-  if [ "$bound" -lt 20 ]; then
-    rc=124 note="skipped: under 20 s of the ${BUDGET_S} s budget left"
-    echo "$note" >>"$OUT/$name.log"
-  else
-    "$fn" "$bound" >>"$OUT/$name.log" 2>&1 || rc=$?
+record() { # record NAME RC STARTED STATE NOTE: one line of parts.tsv, and the report
+  printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" $((SECONDS - $3)) "$4" "$5" >>"$WORK/parts.tsv"
+  [ "$4" = ok ] || FAILED=1
+}
+
+blocked_by() { # blocked_by NAME: why the setup blocked part NAME, or nothing
+  [ "$1" = setup ] && return
+  if [ ! -s "$WORK/env.json" ]; then
+    echo "the setup's import check did not finish"
+  elif [ -s "$WORK/blocked.tsv" ]; then
+    awk -F'\t' -v part="$1" '$1 == part { print $2 }' "$WORK/blocked.tsv"
   fi
-  [ "$rc" -eq 0 ] || FAILED=1
-  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" $((SECONDS - started)) "$note" >>"$WORK/parts.tsv"
-  echo "== $name: rc $rc after $((SECONDS - started)) s"
+}
+
+bounded() { # bounded S COMMAND...: COMMAND under `timeout` S (KILLed 10 s after); its pid
+  timeout -k 10 "$@" & # goes into running.pids, so that a SIGTERM of the check reaches it
+  echo $! >>"$WORK/running.pids"
+  wait $!
+}
+
+RUNNING="" RUNNING_PID="" RUNNING_STARTED=0
+part() { # part NAME OWN_S FUNCTION: FUNCTION LIMIT_S in the background, its output in
+  local name=$1 own=$2 fn=$3 started=$SECONDS rc=0 bound state=ok note="" # NAME.log; record
+  bound=$(limit "$own")
+  note=$(blocked_by "$name")
+  if [ -z "$note" ] && [ "$bound" -lt 20 ]; then
+    note="under 20 s of the ${BUDGET_S} s budget left"
+  fi
+  if [ -n "$note" ]; then
+    note="skipped: $note" state=skipped rc=0
+    echo "== $name: $note" | tee -a "$OUT/$name.log"
+  else
+    RUNNING=$name RUNNING_STARTED=$started
+    : >"$WORK/running.pids"
+    echo "== $name: at most $bound s"
+    "$fn" "$bound" >>"$OUT/$name.log" 2>&1 & # in the background, so a SIGTERM is handled now
+    RUNNING_PID=$!
+    wait "$RUNNING_PID" || rc=$?
+    RUNNING="" RUNNING_PID=""
+    case $rc in 0) ;; 124 | 137) state="timed out" ;; *) state=failed ;; esac
+    echo "== $name: $state (rc $rc) after $((SECONDS - started)) s"
+  fi
+  record "$name" "$rc" "$started" "$state" "$note"
   report 0
 }
 
-setup() { # runs in this shell (no pipe), so its PYTHONPATH holds for the parts after it
+interrupted() { # on SIGTERM or SIGINT: stop the running part, record the rest, report, exit
+  local signal=$1
+  trap '' TERM INT
+  echo "== gpu_check.sh: $signal after $SECONDS s; stopping ${RUNNING:-nothing} and reporting"
+  if [ -n "$RUNNING" ]; then # the part's `timeout`s pass it on to their commands
+    local pids pid
+    mapfile -t pids <"$WORK/running.pids"
+    kill -TERM "$RUNNING_PID" "${pids[@]}" 2>/dev/null
+    for _ in $(seq 16); do # up to 8 s to write what they have (_gpu_serve.py writes at once)
+      for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && break; pid=""; done
+      [ -z "${pid:-}" ] && break
+      sleep 0.5
+    done
+    echo "interrupted by $signal after $((SECONDS - RUNNING_STARTED)) s" >>"$OUT/$RUNNING.log"
+    record "$RUNNING" 143 "$RUNNING_STARTED" interrupted "interrupted by $signal"
+  fi
+  local name
+  for name in "${PARTS[@]}"; do
+    if ! cut -f1 "$WORK/parts.tsv" | grep -qx "$name"; then
+      echo "not run: the check was interrupted by $signal" >>"$OUT/$name.log"
+      record "$name" 0 "$SECONDS" skipped "not run: interrupted by $signal"
+    fi
+  done
+  report interrupted
+  exit 143
+}
+trap 'interrupted SIGTERM' TERM
+trap 'interrupted SIGINT' INT
+
+setup() { # the wheels into $SITE (on the device), then the import check
   local bound=$1 rc=0 wheels=()
   if [ "$DRY_RUN" = 1 ]; then
-    echo "dry run: nothing installed; $PYTHON as it is"
+    echo "dry run: nothing installed; $PYTHON as it is, trillm from $SITE/trillm -> lib/"
   else
-    local site=$WORK/site
-    mkdir -p "$site"
     shopt -s nullglob
     wheels=(.whl/*.whl)
     shopt -u nullglob
     if [ ${#wheels[@]} -eq 0 ]; then
       echo "no wheels in .whl/: run 'make gpu-wheels' on the CPU machine and carry .whl" && rc=1
     else
-      echo "installing ${#wheels[@]} wheels into $site"
-      timeout -k 5 "$bound" "$PYTHON" -m pip install -q --no-index --no-deps --no-compile \
-        --no-cache-dir --upgrade --target "$site" "${wheels[@]}" || rc=1
+      echo "installing ${#wheels[@]} wheels into $SITE"
+      bounded "$bound" "$PYTHON" -m pip install -q --no-index --no-deps --no-compile \
+        --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}" || rc=1
     fi
-    ln -sfn "$REPO/lib" "$site/trillm" # the package trillm is lib/ (pyproject's package-dir)
-    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
   fi
-  timeout -k 5 "$(limit 90)" "$PYTHON" -c "$IMPORT_CHECK" "$WORK/env.json" "$DRY_RUN" || rc=1
+  bounded "$(limit 90)" "$PYTHON" -c "$IMPORT_CHECK" "$WORK/env.json" "$WORK/blocked.tsv" \
+    "$DRY_RUN" || rc=1
   return "$rc"
 }
 
 run_pytest() { # -v: a killed run's log still says which tests passed; the session timeout
   local bound=$1 rc=0 # (pytest-timeout) stops it in time to write its report
-  timeout -k 10 "$bound" "$PYTHON" -m pytest -m gpu tests/gpu -v -rs --durations=10 \
-    -p no:cacheprovider --continue-on-collection-errors --session-timeout=$((bound - 25)) \
+  echo "the files with gpu-marked tests: ${GPU_TESTS[*]}"
+  bounded "$bound" "$PYTHON" -m pytest -m gpu "${GPU_TESTS[@]}" -v -rs --durations=10 \
+    -p no:cacheprovider --continue-on-collection-errors --session-timeout=$((bound - 15)) \
     --junitxml="$WORK/pytest.xml" || rc=$?
   if ! "$PYTHON" -c "$PYTEST_COUNTS" "$WORK/pytest.xml" "$WORK/pytest.json" "$DRY_RUN"; then
     [ "$rc" -ne 0 ] || rc=1
@@ -211,18 +304,19 @@ run_pytest() { # -v: a killed run's log still says which tests passed; the sessi
 }
 
 run_bench() {
-  timeout -k 10 "$1" "$PYTHON" perf/gpu_bench.py "${DRY_FLAG[@]}" --json "$WORK/bench.json"
+  bounded "$1" "$PYTHON" perf/gpu_bench.py "${DRY_FLAG[@]}" --json "$WORK/bench.json"
 }
 
-run_serve() { # _gpu_serve.py stops its runs 30 s before the part's bound and reports
-  timeout -k 10 "$1" "$PYTHON" perf/_gpu_serve.py "${DRY_FLAG[@]}" --json "$WORK/serve.json" \
-    --deadline $(($1 - 30))
+run_serve() { # _gpu_serve.py ends its runs 15 s before the part's bound and reports; on the
+  # bound's SIGTERM it writes what it has
+  bounded "$1" "$PYTHON" perf/_gpu_serve.py "${DRY_FLAG[@]}" "${TOKENIZER_FLAG[@]}" \
+    --json "$WORK/serve.json" --deadline $(($1 - 15))
 }
 
 echo "gpu_check.sh$([ "$DRY_RUN" = 1 ] && echo ' --dry-run'): OUT=$OUT, python $PYTHON"
-part setup 120 setup
-part pytest 180 run_pytest
-part bench 110 run_bench
-part serve 180 run_serve
+part setup 90 setup
+part pytest 120 run_pytest
+part bench 100 run_bench
+part serve 130 run_serve
 report 1
 exit "$FAILED"
