@@ -129,7 +129,7 @@ SERVE_LAYOUT: tuple[tuple[tuple[str, str | None] | None, str], ...] = (
         structured_outputs_max_depth structured_outputs_max_bytes
         structured_outputs_max_regex_optionals enable_auto_tool_choice
         enable_prompt_tokens_details responses_store_size tool_call_parser reasoning_parser
-        chat_template pooler_config
+        chat_template pooler_config enable_prompt_embeds
         inject_fault executor null_step_time""",
     ),
     (DEV, "enable_dev_endpoints profiler_dir"),

@@ -31,6 +31,7 @@ from ._kernels import choose_kernels
 from ._model_config import ModelConfig
 from ._parallel import TensorParallel
 from ._pooler import Pooler
+from ._prompt_embeds import Embeds, PromptEmbeds
 from ._sampler import Sampler, SamplerOutput, compute_logprobs
 from ._sampling_batch import RequestSamplingState, SamplingBatch
 from ._step_batch import PromptLogprobs, RunnerOutput, StepBatch
@@ -62,6 +63,7 @@ class ModelRunner:
         self.inputs = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size)
         self.sampling: dict[int, RequestSamplingState] = {}  # generation requests only
         self.pooler = Pooler()  # pooling requests (embeddings): they sample nothing
+        self.prompt_embeds = PromptEmbeds(model_config.hidden_size)  # prompts sent as vectors
         self.sampler = Sampler()
         self.kv_caches: list[KVCache] = []
         self.attention: AttentionBackend | None = None  # made by init_kv_cache
@@ -205,7 +207,13 @@ class ModelRunner:
         fault = self.faults.arm(self.model, inputs)
         if inputs is None:
             return RunnerOutput(np.zeros(0, np.uint64), np.zeros(0, np.int32))
-        hidden = self._forward(choose_path(inputs, self.graphs, self.cpu_step, fault=fault), inputs)
+        embeds = None
+        if self.prompt_embeds:
+            rnums = batch.scheduled_rnums.tolist()
+            embeds = self.prompt_embeds.for_step(rnums, inputs, self._tensor)
+        torch_only = fault or embeds is not None  # graphs and the C step read token ids
+        path = choose_path(inputs, self.graphs, self.cpu_step, fault=torch_only)
+        hidden = self._forward(path, inputs, embeds)
         prompt_logprobs = self._prompt_logprobs(batch, inputs, hidden)
         self.inputs.advance(inputs)
         samples, pooled_rnums, pooled = inputs.samples, None, None
@@ -235,7 +243,7 @@ class ModelRunner:
         output.pooled_rnums, output.pooled = pooled_rnums, pooled
         return output
 
-    def _forward(self, path: Path, inputs: StepInputs) -> torch.Tensor:
+    def _forward(self, path: Path, inputs: StepInputs, embeds: Embeds | None) -> torch.Tensor:
         """Hidden states of the step's tokens, by `path` (`choose_path`)."""
         assert self.model is not None
         if path is Path.C_STEP:
@@ -264,7 +272,7 @@ class ModelRunner:
         else:
             meta = self._attention_metadata(inputs)
         hidden: torch.Tensor = self.model(
-            self._tensor(inputs.input_ids), self._tensor(positions), self.kv_caches, meta
+            self._tensor(inputs.input_ids), self._tensor(positions), self.kv_caches, meta, embeds
         )
         return hidden
 
@@ -274,11 +282,14 @@ class ModelRunner:
             self.inputs.remove(rnum)
             self.sampling.pop(rnum, None)
             self.pooler.remove(rnum)
+            self.prompt_embeds.remove(rnum)
 
     def _update_requests(self, batch: StepBatch) -> None:
         self.remove_requests(batch.finished_rnums)
         for request in batch.new_requests:
             self.inputs.add(request)
+            if request.prompt_embeds:
+                self.prompt_embeds.add(request.rnum, request.prompt_embeds)
             if request.options.is_pooling:
                 self.pooler.add(
                     request.rnum, request.options.pooling, len(request.prompt_token_ids)

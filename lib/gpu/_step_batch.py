@@ -26,6 +26,9 @@ class NewRequest(msgspec.Struct, array_like=True, gc=False, frozen=True):
     num_computed_tokens: int  # tokens whose KV is already in the blocks (prefix-cache hits)
     options: SamplingOptions = SamplingOptions()
     output_token_ids: list[int] = []  # tokens generated before a preemption
+    # The prompt as embeddings, float32 little-endian [prompt tokens, hidden] (b"": none):
+    # they replace the token embedding of each prompt position (`_prompt_embeds`).
+    prompt_embeds: bytes = b""
 
 
 @dataclass

@@ -21,6 +21,7 @@ from ..engine.client import (
     EngineDeadError,
     EngineRestartingError,
     InvalidPromptError,
+    PromptEmbedsError,
     PromptTooLongError,
     RequestFailedError,
     StructuredOutputError,
@@ -178,6 +179,8 @@ def http_error(exc: BaseException) -> RequestError | None:
         return RequestError(400, str(exc), param=exc.param)
     if isinstance(exc, InvalidPromptError):
         return RequestError(400, str(exc), param="prompt")
+    if isinstance(exc, PromptEmbedsError):
+        return RequestError(400, str(exc), param="prompt_embeds")
     if isinstance(exc, DataParallelRankError):
         return RequestError(400, str(exc), param="data_parallel_rank")
     if isinstance(exc, ChatTemplateError):  # the prompt is rendered before any stream starts

@@ -89,7 +89,7 @@ class Generation:
         held: Held,
     ) -> None:
         params, _ = await self.inputs.sampling_params(request)
-        prompts = request.prompts
+        prompts = await self.inputs.completion_prompts(request)
         held.grow(len(prompts) * params.n, what=f"{len(prompts)} prompts x n {params.n}")
         rank = request.data_parallel_rank
         prepared = await self.inputs.prompts(prompts, params, data_parallel_rank=rank)

@@ -6,10 +6,17 @@ echoed prompts decoded.
 
 from __future__ import annotations
 
+import base64
 from functools import partial
 from typing import Any
 
-from ..engine.client import AsyncLLM, PreparedRequest, SamplingParams
+from ..engine.client import (
+    AsyncLLM,
+    PreparedRequest,
+    PromptEmbeds,
+    PromptEmbedsError,
+    SamplingParams,
+)
 from . import _schemas as S
 from ._constraints import function_dicts
 from ._errors import RequestError
@@ -44,9 +51,37 @@ class Inputs:
 
         return await self.offload.run(_constraint_size(request), convert)
 
+    async def completion_prompts(
+        self, request: S.CompletionRequest
+    ) -> list[str | list[int] | PromptEmbeds]:
+        """A completions request's prompts: texts or token-id lists, or its `prompt_embeds`
+        decoded (base64, then safetensors: never a pickle) and checked finite.
+
+        Raises:
+            RequestError: 400: `echo` with prompt embeddings (they have no text).
+            PromptEmbedsError: (400 naming prompt_embeds) the server does not take them, or
+                one is not base64 of a safetensors file of one float tensor [tokens, hidden].
+        """
+        if request.prompt_embeds is None:
+            return list(request.prompts)
+        if not self.llm.config.enable_prompt_embeds:
+            raise PromptEmbedsError(
+                "prompt_embeds is off on this server: start it with --enable-prompt-embeds, or "
+                "send the prompt as text or token ids"
+            )
+        if request.echo:
+            raise RequestError(
+                400,
+                "echo cannot show a prompt sent as prompt_embeds: it has no text",
+                param="echo",
+            )
+        texts = request.prompt_embeds
+        texts = [texts] if isinstance(texts, str) else texts
+        return [await self.offload.run(len(t), partial(decode_prompt_embeds, t)) for t in texts]
+
     async def prompts(
         self,
-        prompts: list[str | list[int]],
+        prompts: list[str | list[int] | PromptEmbeds],
         params: SamplingParams,
         *,
         data_parallel_rank: int | None = None,
@@ -63,7 +98,9 @@ class Inputs:
         """
         prepared, rank = [], data_parallel_rank
         for prompt in prompts:
-            run = partial(self.offload.run, len(prompt))
+            # (checking embeddings is cheap: what is large was done decoding them)
+            size = 0 if isinstance(prompt, PromptEmbeds) else len(prompt)
+            run = partial(self.offload.run, size)
             checked = await self.llm.prepare(prompt, params, run=run, data_parallel_rank=rank)
             prepared.append(checked)
         return prepared
@@ -111,6 +148,21 @@ class Inputs:
             return [S.EchoPrompt(tokenizer.decode(p.token_ids), p.token_ids) for p in prompts]
 
         return await self.offload.run(sum(len(p.token_ids) for p in prompts), echoes)
+
+
+def decode_prompt_embeds(text: str) -> PromptEmbeds:
+    """One `prompt_embeds` entry: base64 of a safetensors file of one float tensor.
+
+    Raises:
+        PromptEmbedsError: not base64, or as `PromptEmbeds.from_safetensors`.
+    """
+    try:
+        blob = base64.b64decode(text, validate=True)
+    except ValueError as exc:  # binascii.Error is one; so is a non-ASCII character
+        raise PromptEmbedsError(
+            f"prompt_embeds must be base64 (of a safetensors file): {exc}"
+        ) from None
+    return PromptEmbeds.from_safetensors(blob)
 
 
 def _constraint_size(request: Request) -> int:

@@ -155,25 +155,47 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
-    """`POST /v1/completions`. `logprobs` is a top count; `echo` prepends the prompt."""
+    """`POST /v1/completions`. `logprobs` is a top count; `echo` prepends the prompt.
 
-    prompt: str | list[str | int | list[int]]  # one array-like type per union, for msgspec
+    vLLM's `prompt_embeds` (base64 of a safetensors file, or a list of them: one prompt each)
+    stands for the prompt; `prompt` is then "" (what the openai SDK must send) or left out.
+    """
+
+    # one array-like type per union, for msgspec
+    prompt: str | list[str | int | list[int]] | None = None
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool | None = False
+    prompt_embeds: str | list[str] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _ = self.prompts
+        if self.prompt_embeds is None:
+            _ = self.prompts
+        elif self.prompt not in (None, ""):
+            raise RequestError(
+                400,
+                'send either prompt or prompt_embeds: with prompt_embeds, prompt must be "" or '
+                "left out",
+                param="prompt",
+            )
+        elif not self.prompt_embeds:
+            raise RequestError(
+                400,
+                "prompt_embeds must be a base64 string or a non-empty list of them",
+                param="prompt_embeds",
+            )
 
     @property
     def prompts(self) -> list[str | list[int]]:
         """The prompts of a batch: one text or one token-id list per prompt.
 
         Raises:
-            RequestError: the prompt is an empty list, or a list that mixes kinds.
+            RequestError: no prompt, the prompt is an empty list, or a list that mixes kinds.
         """
         prompt = self.prompt
+        if prompt is None:
+            raise RequestError(400, "prompt is required", param="prompt")
         if isinstance(prompt, str):
             return [prompt]
         if prompt and all(isinstance(p, int) for p in prompt):

@@ -33,6 +33,8 @@ from ._pooling import PoolingOutput as PoolingOutput
 from ._pooling import finish_embedding as finish_embedding
 from ._pooling import load_pooler_config as load_pooler_config
 from ._prepared import PreparedRequest as PreparedRequest
+from ._prompt_embeds import PromptEmbeds as PromptEmbeds
+from ._prompt_embeds import PromptEmbedsError as PromptEmbedsError
 from ._regex_size import MAX_REGEX_OPTIONALS as MAX_REGEX_OPTIONALS
 from ._request_output import CompletionOutput as CompletionOutput
 from ._request_output import Logprob as Logprob

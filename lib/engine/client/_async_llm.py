@@ -14,7 +14,7 @@ import contextlib
 import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 import trio
 
@@ -33,6 +33,7 @@ from ._output_processor import OutputProcessor
 from ._outputs import Mailbox, Output
 from ._pooling import PoolingOutput
 from ._prepared import PreparedRequest
+from ._prompt_embeds import PromptEmbeds
 from ._restarts import RestartPolicy
 from ._sampling_params import SamplingParams
 from ._streams import RequestStream
@@ -103,7 +104,7 @@ class AsyncLLM:
 
     async def prepare(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | PromptEmbeds,
         params: SamplingParams | None = None,
         *,
         run: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None,
@@ -113,9 +114,12 @@ class AsyncLLM:
         vocabulary), its length against the model's, its constraint compiled. `run` runs the
         tokenising (the server hands it to a thread when the prompt is large).
         `data_parallel_rank` pins it to that engine (vLLM's), instead of the router's choice.
+        A `PromptEmbeds` prompt (`LLMConfig.enable_prompt_embeds`) takes the place of the
+        token embeddings of as many placeholder ids.
 
         Raises:
             DataParallelRankError: `data_parallel_rank` is not in [0, data_parallel_size).
+            PromptEmbedsError: prompt embeddings are off, or do not fit the model.
             InvalidPromptError: an empty prompt or a token id outside the vocabulary.
             PromptTooLongError: prompt + max_tokens exceed the model's maximum length (its
                 `param` says which to change).
@@ -133,13 +137,21 @@ class AsyncLLM:
                 f"{data_parallel_rank}"
             )
 
+        embeds = prompt if isinstance(prompt, PromptEmbeds) else None
+
         def checked() -> tuple[list[int], int]:
-            ids = self._inputs.tokenize(prompt)
+            if embeds is not None:
+                enabled = self.config.enable_prompt_embeds
+                ids = self._inputs.embeds_ids(embeds, enabled=enabled)
+            else:
+                ids = self._inputs.tokenize(cast(str | Sequence[int], prompt))
             return ids, self._inputs.check_length(len(ids), params)
 
         token_ids, max_tokens = checked() if run is None else await run(checked)
         grammar = await self.check_structured(params)
-        return PreparedRequest(token_ids, params, max_tokens, grammar, data_parallel_rank)
+        data = b"" if embeds is None else embeds.data
+        rank = data_parallel_rank
+        return PreparedRequest(token_ids, params, max_tokens, grammar, rank, data)
 
     @asynccontextmanager
     async def generate(
@@ -171,7 +183,9 @@ class AsyncLLM:
         engine = await self.engines.choose(token_ids, salt, rank)
         mailbox = Mailbox()
         states = [
-            self._inputs.new_state(next(self._rnums), mailbox, i, token_ids, params)
+            self._inputs.new_state(
+                next(self._rnums), mailbox, i, token_ids, params, request.prompt_embeds
+            )
             for i in range(params.n)
         ]
         for state in states:
@@ -192,6 +206,7 @@ class AsyncLLM:
                         token_ids,
                         request.grammar,
                         cache_salt=state.cache_salt,
+                        prompt_embeds=request.prompt_embeds,
                     )
                 except trio.BrokenResourceError:
                     self.engines.check_engine(engine)

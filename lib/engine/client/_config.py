@@ -52,6 +52,16 @@ class LLMConfig:
             "(default without either: LAST, normalized)",
         ),
     )
+    # vLLM's: completions may send their prompt as embeddings (`_prompt_embeds`); off, such
+    # a request is a 400. Off by default, as vLLM: embeddings skip the tokenizer's checks.
+    enable_prompt_embeds: bool = field(
+        default=False,
+        metadata=flag(
+            "--enable-prompt-embeds",
+            help="accept prompt_embeds on /v1/completions: base64 of a safetensors file of one "
+            "float tensor [tokens, hidden] (never a pickle)",
+        ),
+    )
     start_timeout: float = 600.0
     # The server's one shutdown deadline: in-flight requests, then the engine's drain.
     shutdown_timeout: float = field(default=30.0, metadata=flag("--shutdown-timeout"))

@@ -62,10 +62,19 @@ class EngineConnection:
         num_output_tokens: int = 0,
         *,
         cache_salt: str = "",
+        prompt_embeds: bytes = b"",
     ) -> Outgoing:
-        """ADD `ids` (prompt, then `num_output_tokens` already generated when resumed)."""
+        """ADD `ids` (prompt, then `num_output_tokens` already generated when resumed;
+        a prompt of `prompt_embeds` has placeholder ids)."""
         add = P.AddHeader(
-            rnum, options, max_tokens, time.time(), grammar, num_output_tokens, cache_salt
+            rnum,
+            options,
+            max_tokens,
+            time.time(),
+            grammar,
+            num_output_tokens,
+            cache_salt,
+            prompt_embeds,
         )
         header = self._encoder.encode(add)
         tokens = np.asarray(ids, "<i4")

@@ -187,10 +187,18 @@ class EngineClient:
         num_output_tokens: int = 0,
         *,
         cache_salt: str = "",
+        prompt_embeds: bytes = b"",
     ) -> None:
         """ADD `ids` (prompt, then `num_output_tokens` already generated when resumed)."""
         record = self.connection.encode_add(
-            rnum, options, max_tokens, ids, grammar, num_output_tokens, cache_salt=cache_salt
+            rnum,
+            options,
+            max_tokens,
+            ids,
+            grammar,
+            num_output_tokens,
+            cache_salt=cache_salt,
+            prompt_embeds=prompt_embeds,
         )
         await self.send(record)
 

@@ -23,6 +23,7 @@ from ._detokenizer import IncrementalDetokenizer, StopChecker
 from ._errors import ChatTemplateError, InvalidPromptError, PromptTooLongError
 from ._output_processor import RequestState
 from ._outputs import Mailbox
+from ._prompt_embeds import PromptEmbeds, PromptEmbedsError
 from ._sampling_params import SamplingParams
 
 HEAD_CHARS_PER_TOKEN = 8  # a text longer than (max_model_len + margin) * this: head first
@@ -60,6 +61,22 @@ class InputProcessor:
         if not ids:
             raise InvalidPromptError("the prompt is empty: send at least one token")
         return ids
+
+    def embeds_ids(self, embeds: PromptEmbeds, *, enabled: bool) -> list[int]:
+        """Placeholder token ids (0), one per row of a prompt sent as embeddings, once the
+        rows are checked against the model: its hidden size, its maximum length.
+
+        Raises:
+            PromptEmbedsError: the server does not take them (`enabled` false), or they do not
+                fit the model.
+        """
+        if not enabled:
+            raise PromptEmbedsError(
+                "prompt_embeds is off on this server: start it with --enable-prompt-embeds "
+                "(LLMConfig.enable_prompt_embeds), or send the prompt as text or token ids"
+            )
+        embeds.check(self.ready.hidden_size, self.ready.max_model_len)
+        return [0] * embeds.num_tokens
 
     def check_length(self, num_prompt: int, params: SamplingParams) -> int:
         """The request's max_tokens, checked against the model's maximum length.
@@ -132,16 +149,25 @@ class InputProcessor:
             )
 
     def new_state(
-        self, rnum: int, mailbox: Mailbox, index: int, token_ids: list[int], params: SamplingParams
+        self,
+        rnum: int,
+        mailbox: Mailbox,
+        index: int,
+        token_ids: list[int],
+        params: SamplingParams,
+        prompt_embeds: bytes = b"",
     ) -> RequestState:
-        """The frontend's state of child `index` of a request, numbered `rnum`."""
+        """The frontend's state of child `index` of a request, numbered `rnum`; a prompt of
+        `prompt_embeds` has placeholder ids, which give the detokeniser no context."""
         stops = params.stop_strings
         return RequestState(
             rnum=rnum,
             index=index,
             mailbox=mailbox,
             detokenizer=IncrementalDetokenizer(
-                self._backend, token_ids, skip_special_tokens=params.skip_special_tokens
+                self._backend,
+                [] if prompt_embeds else token_ids,
+                skip_special_tokens=params.skip_special_tokens,
             ),
             stop=StopChecker(stops, params.include_stop_str_in_output) if stops else None,
             num_prompt_tokens=len(token_ids),
@@ -149,6 +175,7 @@ class InputProcessor:
             stop_token_ids=frozenset(params.stop_token_ids or ()),
             logprobs=params.logprobs,
             cache_salt=params.cache_salt or "",
+            prompt_embeds=prompt_embeds,
         )
 
 

@@ -50,6 +50,7 @@ class RequestState:
     max_tokens: int = 0
     grammar: str = ""
     cache_salt: str = ""
+    prompt_embeds: bytes = b""  # a prompt sent as embeddings (its ids are placeholders)
     deaths: int = 0
     on_engine: bool = False
     quarantined: bool = False

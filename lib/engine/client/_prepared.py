@@ -22,3 +22,6 @@ class PreparedRequest:
     max_tokens: int
     grammar: str = ""
     data_parallel_rank: int | None = None  # the engine it is pinned to (None: the router's)
+    # A prompt sent as embeddings: float32 [len(token_ids), hidden] bytes (`_prompt_embeds`);
+    # `token_ids` are then placeholders (0), one per row.
+    prompt_embeds: bytes = b""

@@ -96,6 +96,7 @@ class EngineCore:
                 max_num_batched_tokens=worker.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 enable_prefix_caching=self.config.enable_prefix_caching,
+                hidden_size=model.hidden_size,
             )
         )
         self.eos_token_id = model.eos_token_ids[0] if model.eos_token_ids else None
@@ -108,6 +109,7 @@ class EngineCore:
             model.bos_token_id,
             os.getpid(),
             self.executor.kernels,
+            model.hidden_size,
         )
         self.outputs.send(P.READY, self._encoder.encode(ready), timeout=self.config.output_timeout)
 
@@ -224,6 +226,7 @@ class EngineCore:
                 eos_token_id=self.eos_token_id,
                 arrival_time=header.arrival_time,
                 cache_salt=header.cache_salt,
+                prompt_embeds=header.prompt_embeds,
             )
             if header.grammar:
                 request.status = RequestStatus.WAITING_FOR_GRAMMAR

@@ -137,7 +137,7 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request) -> None:
         """Index `request`'s blocks that became full of computed tokens since the last call."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.prompt_embeds:
             return
         num_full = request.num_computed_tokens // self.block_size
         num_cached = self._num_cached_blocks.get(request.rnum)
@@ -156,9 +156,14 @@ class KVCacheManager:
     def _reads_prefix_cache(self, request: Request) -> bool:
         # Prompt logprobs need every prompt position computed, so a request that still owes
         # some does not skip them through the cache (vLLM does the same).
-        return self.enable_prefix_caching and (
-            request.options.prompt_logprobs is None
-            or request.prompt_logprobs_end >= request.num_prompt_tokens
+        # A prompt of embeddings has placeholder token ids: a hash of them names nothing.
+        return (
+            self.enable_prefix_caching
+            and not request.prompt_embeds
+            and (
+                request.options.prompt_logprobs is None
+                or request.prompt_logprobs_end >= request.num_prompt_tokens
+            )
         )
 
     def _hash_blocks(self, request: Request, num_blocks: int) -> None:

@@ -45,6 +45,9 @@ class Request:
     # vLLM's cache_salt: mixed into the first block's hash, so requests with another salt
     # (or none) never share this one's cached blocks ("": none).
     cache_salt: str = ""
+    # The prompt as float32 embeddings [prompt tokens, hidden] (b"": none); its token ids are
+    # placeholders, so it neither reads nor fills the prefix cache.
+    prompt_embeds: bytes = b""
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in this request's blocks
     num_cached_tokens: int = 0  # prefix-cache hits when first scheduled

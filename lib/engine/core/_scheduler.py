@@ -53,6 +53,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int  # tokens computed per step, over all requests
     max_model_len: int  # prompt plus outputs, per request
     enable_prefix_caching: bool = True
+    hidden_size: int = 0  # a prompt embedding's width (0: prompt embeddings unchecked)
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -144,7 +145,8 @@ class Scheduler:
 
         Raises:
             InvalidRequestError: its rnum is in use, its prompt is empty or leaves no room for
-                an output within `max_model_len`, or `max_tokens` < 1.
+                an output within `max_model_len`, `max_tokens` < 1, or its prompt embeddings
+                are not float32 [prompt tokens, hidden size].
         """
         max_model_len = self.config.max_model_len
         if request.rnum in self.requests:
@@ -164,6 +166,13 @@ class Scheduler:
         if request.max_tokens < 1:
             raise InvalidRequestError(
                 f"request {request.rnum} asks for max_tokens {request.max_tokens}: ask for >= 1"
+            )
+        expected = 4 * request.num_prompt_tokens * self.config.hidden_size
+        if request.prompt_embeds and len(request.prompt_embeds) != expected:
+            raise InvalidRequestError(
+                f"request {request.rnum} sends {len(request.prompt_embeds)} bytes of prompt "
+                f"embeddings for {request.num_prompt_tokens} positions: send float32 "
+                f"[{request.num_prompt_tokens}, {self.config.hidden_size}], {expected} bytes"
             )
         self.requests[request.rnum] = request
         if request.status is RequestStatus.WAITING_FOR_GRAMMAR:
@@ -285,6 +294,7 @@ class Scheduler:
                     num_hit_tokens,
                     request.options,
                     list(request.output_token_ids),
+                    request.prompt_embeds,
                 )
             )
             rnums.append(request.rnum)

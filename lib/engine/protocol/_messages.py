@@ -80,6 +80,9 @@ class AddHeader(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, f
     num_output_tokens: int = 0
     # vLLM's cache_salt ("": none): mixed into the first block's hash (`core._kv_cache_manager`).
     cache_salt: str = ""
+    # The prompt as embeddings (vLLM's prompt_embeds, `--enable-prompt-embeds`): float32
+    # little-endian [prompt tokens, hidden size]; the prompt's token ids are placeholders.
+    prompt_embeds: bytes = b""
 
 
 class UtilityCall(msgspec.Struct, array_like=True, gc=False, frozen=True):
@@ -106,6 +109,7 @@ class Ready(msgspec.Struct, array_like=True, gc=False, frozen=True):
     bos_token_id: int | None
     pid: int
     kernels: KernelChoice | None = None  # what the model runs with (None: no model)
+    hidden_size: int = 0  # the width of a prompt embedding (`AddHeader.prompt_embeds`)
 
 
 class UtilityResult(msgspec.Struct, tag="utility_result", array_like=True, gc=False, frozen=True):

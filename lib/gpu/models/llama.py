@@ -246,12 +246,21 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: Meta,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Final hidden states [T, hidden] of this step's tokens."""
+        """Final hidden states [T, hidden] of this step's tokens.
+
+        `embeds` (indexes into the step's tokens, rows [n, hidden]) replace the token
+        embedding at those tokens (a prompt sent as embeddings): as transformers'
+        `inputs_embeds`, before the embedding multiplier (Gemma's, Granite's).
+        """
         if self.fail_next_forward:
             self.fail_next_forward = False
             raise InjectedFault("injected fault in LlamaForCausalLM.forward (test hook)")
         hidden = self.embed_tokens(input_ids)
+        if embeds is not None:
+            index, rows = embeds
+            hidden = hidden.index_copy(0, index, rows.to(hidden.dtype))
         if self.config.embedding_multiplier != 1.0:
             hidden = hidden * self.config.embedding_multiplier
         ropes = {id(self.rotary): self.rotary.angles(positions)}

@@ -116,9 +116,10 @@ class _Recorder:
         self.records.append(payload)
 
 
-async def test_a_resumed_request_keeps_its_cache_salt() -> None:
+async def test_a_resumed_request_keeps_its_cache_salt_and_prompt_embeddings() -> None:
     (state,) = states(1)
     state.options, state.max_tokens, state.cache_salt = SamplingOptions(), 8, "tenant-a"
+    state.prompt_embeds = bytes(range(24))
     state.prompt_token_ids, state.token_ids = [5, 6, 7], [8, 9]
     engine = _Recorder()
     await resend(engine, state)  # type: ignore[arg-type]
@@ -126,4 +127,5 @@ async def test_a_resumed_request_keeps_its_cache_salt() -> None:
         memoryview(engine.records[0]), msgspec.msgpack.Decoder(P.AddHeader)
     )
     assert header.cache_salt == "tenant-a" and header.num_output_tokens == 2
+    assert header.prompt_embeds == bytes(range(24))
     assert tokens.tolist() == [5, 6, 7, 8, 9]

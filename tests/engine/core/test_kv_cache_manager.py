@@ -228,3 +228,16 @@ def test_the_salt_is_mixed_into_the_first_block_only() -> None:
     assert salt.block_hashes[0] == hash_block_tokens(kv.root_hash, prompt[:BS], b"s")
     assert salt.block_hashes[1] == hash_block_tokens(salt.block_hashes[0], prompt[BS : 2 * BS])
     assert set(salt.block_hashes).isdisjoint(plain.block_hashes)  # the chain carries it
+
+
+def test_a_prompt_of_embeddings_neither_reads_nor_fills_the_prefix_cache() -> None:
+    """Its token ids are placeholders: a hash of them would name other prompts' KV."""
+    kv = KVCacheManager(64, BS)
+    prompt = [0] * 9
+    admit(kv, make_request(1, prompt))  # placeholders as real tokens: cached
+    embedded = make_request(2, prompt)
+    embedded.prompt_embeds = bytes(4 * 9 * 8)
+    admit(kv, embedded)
+    assert kv.prefix_cache_hits == 0 and not embedded.block_hashes
+    admit(kv, make_request(3, prompt))
+    assert kv.prefix_cache_hits == 8  # the first request's blocks, not the embedded one's
