@@ -53,6 +53,7 @@ from ._schemas import (
     decode_request,
     detokenize_response,
     models_response,
+    template_kwargs,
     tokenize_response,
     version_response,
 )
@@ -285,7 +286,11 @@ class App:
         with self.admission.hold():
             request = await self._decode(body, TokenizeRequest)
             if request.messages is not None:  # a chat template carries its own special tokens
-                tokens = await self.generation.inputs.chat_prompt(request.messages)
+                tokens = await self.generation.inputs.chat_prompt(
+                    request.messages,
+                    add_generation_prompt=request.add_generation_prompt,
+                    variables=template_kwargs(request.chat_template_kwargs),
+                )
             else:
                 special = request.add_special_tokens is not False
                 prompt = request.prompt or ""

@@ -140,7 +140,10 @@ class Generation:
         )
         held.grow(params.n, what=f"1 conversation x n {params.n}", param="n")
         tool_prompt = L3.TOOL_PROMPT if tool_format == "llama3_json" else DEFAULT_TOOL_PROMPT
-        prompt = await self.inputs.chat_prompt(request.messages, functions, tool_prompt)
+        variables = S.template_kwargs(request.chat_template_kwargs, request.reasoning_effort)
+        prompt = await self.inputs.chat_prompt(
+            request.messages, functions, tool_prompt, variables=variables
+        )
         rank = request.data_parallel_rank
         prepared = await self.inputs.prompts([prompt], params, data_parallel_rank=rank)
         names = {f["name"] for f in functions} or None
@@ -157,7 +160,10 @@ class Generation:
         functions = function_dicts(request.tools or []) if mode != "none" else []
         tool_format = self.config.tool_call_parser
         tool_prompt = L3.TOOL_PROMPT if tool_format == "llama3_json" else DEFAULT_TOOL_PROMPT
-        return await self.inputs.chat_prompt(request.messages, functions, tool_prompt)
+        variables = S.template_kwargs(request.chat_template_kwargs, request.reasoning_effort)
+        return await self.inputs.chat_prompt(
+            request.messages, functions, tool_prompt, variables=variables
+        )
 
     # -- non-streaming -------------------------------------------------------------------
 

@@ -110,8 +110,12 @@ class Inputs:
         messages: list[S.ChatMessage],
         functions: list[dict[str, Any]] | None = None,
         tool_prompt: str = DEFAULT_TOOL_PROMPT,
+        *,
+        add_generation_prompt: bool = True,
+        variables: dict[str, Any] | None = None,
     ) -> list[int]:
-        """The chat template over `messages` (and `functions`), as token ids.
+        """The chat template over `messages` (and `functions`), as token ids; `variables`
+        (chat_template_kwargs, a reasoning effort) are the template's to read.
 
         Raises:
             RequestError: 400: more messages than the model has positions (each message
@@ -133,7 +137,9 @@ class Inputs:
             rendered, tools = chat_messages(
                 S.chat_template_messages(messages), functions, reads_tools, tool_prompt
             )
-            ids: list[int] = self.llm.apply_chat_template(rendered, tools)
+            ids: list[int] = self.llm.apply_chat_template(
+                rendered, tools, add_generation_prompt=add_generation_prompt, variables=variables
+            )
             return ids
 
         return await self.offload.run(_chat_size(messages, functions), render)

@@ -223,6 +223,14 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = True
+    # Variables for the chat template: vLLM's chat_template_kwargs (Qwen3's enable_thinking),
+    # and OpenAI's reasoning_effort, which a template that reads it (gpt-oss's) renders.
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        template_kwargs(self.chat_template_kwargs, self.reasoning_effort)
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -232,11 +240,66 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # None: True for a prompt, False for messages
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool = True  # messages: end with the assistant's turn opened
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise RequestError(400, "send either prompt or messages (exactly one)", param="prompt")
+        template_kwargs(self.chat_template_kwargs)
+
+
+# What the template call itself takes: a request's template variables may not set them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "tokenize",
+        "add_generation_prompt",
+        "continue_final_message",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+    }
+)
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def template_kwargs(
+    kwargs: dict[str, Any] | None, reasoning_effort: str | None = None
+) -> dict[str, Any]:
+    """The chat template's extra variables: `chat_template_kwargs`, and `reasoning_effort`.
+
+    Raises:
+        RequestError: 400: a name the template call reserves (vLLM refuses them too: one
+            could swap the template or the messages), or an effort OpenAI does not define.
+    """
+    variables = dict(kwargs or {})
+    for name in variables:
+        if name in RESERVED_TEMPLATE_KWARGS or name.startswith("_"):
+            raise RequestError(
+                400,
+                f"chat_template_kwargs may not set {name!r}: it is the template call's own "
+                f"argument, not a template variable",
+                param=f"chat_template_kwargs.{name}",
+            )
+    if reasoning_effort is not None:
+        if reasoning_effort not in REASONING_EFFORTS:
+            raise RequestError(
+                400,
+                f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got "
+                f"{reasoning_effort!r}",
+                param="reasoning_effort",
+            )
+        variables.setdefault("reasoning_effort", reasoning_effort)
+    return variables
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

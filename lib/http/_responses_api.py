@@ -41,6 +41,7 @@ RENAMES = {
     "response_format": "text.format",
     "messages": "input",
     "prompt": "input",
+    "reasoning_effort": "reasoning.effort",
 }
 TEXT_PARTS = frozenset({"input_text", "output_text", "text", "refusal", "summary_text"})
 
@@ -342,6 +343,8 @@ def chat_request(request: ResponsesRequest, messages: list[ChatMessage]) -> Chat
         tool_choice=_tool_choice(request.tool_choice),
         parallel_tool_calls=request.parallel_tool_calls,
         response_format=_format(request.text),
+        # A template that reads reasoning_effort (gpt-oss's) renders it, as in vLLM.
+        reasoning_effort=request.reasoning.effort if request.reasoning is not None else None,
     )
 
 

@@ -565,3 +565,57 @@ def test_the_server_answers_gemma2s_system_refusal_with_400_and_serves_on(
         assert httpx.get(f"{server.base_url}/health").status_code == 200
     finally:
         assert server.stop() == 0
+
+
+# A template that reads variables, as Qwen3's reads enable_thinking and gpt-oss's its effort.
+VARIABLES = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if reasoning_effort is defined %}effort: {{ reasoning_effort }}\n{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
+)
+
+
+async def test_template_variables_render_as_transformers_renders_them(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """chat_template_kwargs and reasoning_effort reach the template: the prompt served is the
+    one transformers' own apply_chat_template renders with the same variables."""
+    from transformers import AutoTokenizer
+
+    tokenizer = tokenizer_dir(tiny_model, tmp_path / "tok", VARIABLES)
+    oracle = AutoTokenizer.from_pretrained(tokenizer)
+    cases: list[tuple[dict[str, Any], dict[str, Any]]] = [
+        ({}, {}),
+        ({"chat_template_kwargs": {"enable_thinking": False}}, {"enable_thinking": False}),
+        ({"reasoning_effort": "high"}, {"reasoning_effort": "high"}),
+    ]
+    async with app_client(tiny_model, tokenizer) as client:
+        for fields, variables in cases:
+            expected = oracle.apply_chat_template(
+                [USER], tokenize=True, add_generation_prompt=True, **variables
+            )["input_ids"]
+            body = {"messages": [USER], **fields}
+            tokens = (await client.post("/tokenize", json=body)).json()
+            if "reasoning_effort" not in fields:  # /tokenize takes the kwargs alone
+                assert tokens["tokens"] == expected, fields
+            r = await client.post("/v1/chat/completions", json={**chat([USER]), **fields})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens"] == len(expected), fields
+        bare = {"messages": [USER], "add_generation_prompt": False}
+        tokens = (await client.post("/tokenize", json=bare)).json()["tokens"]
+        assert (
+            tokens == oracle.apply_chat_template([USER], add_generation_prompt=False)["input_ids"]
+        )
+        for fields, param in [
+            (
+                {"chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
+                "chat_template_kwargs.chat_template",
+            ),
+            ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+            ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+        ]:
+            r = await client.post("/v1/chat/completions", json={**chat([USER]), **fields})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"].startswith(param), r.text

@@ -238,3 +238,23 @@ def test_the_api_key_is_asked_for_on_every_responses_route(server: Server) -> No
         f"{server.base_url}/v1/responses/resp_x", headers={"x-api-key": KEY}, timeout=10
     )
     assert got.status_code == 404 and got.json()["error"]["code"] == "not_found"
+
+
+def test_a_reasoning_effort_is_chats_template_variable() -> None:
+    from trillm.http._errors import RequestError, fields_renamed
+    from trillm.http._requests import ChatMessage
+    from trillm.http._responses_api import (
+        RENAMES,
+        ReasoningConfig,
+        ResponsesRequest,
+        chat_request,
+    )
+
+    hello = [ChatMessage("user", "Hi")]
+    request = ResponsesRequest(input="Hi", reasoning=ReasoningConfig(effort="low"))
+    assert chat_request(request, hello).reasoning_effort == "low"
+    wrong = ResponsesRequest(input="Hi", reasoning=ReasoningConfig(effort="max"))
+    refused = pytest.raises(RequestError, match=r"reasoning\.effort must be one of")
+    with refused as info, fields_renamed(RENAMES):
+        chat_request(wrong, hello)
+    assert info.value.param == "reasoning.effort"

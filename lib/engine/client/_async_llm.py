@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, cast
 
@@ -311,16 +311,25 @@ class AsyncLLM:
                         await engine.send_abort([state.rnum])
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        variables: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """The chat template (`LLMConfig.chat_template`, else the model's) over `messages`,
-        ready for a reply, as token ids; `tools` go to a template that reads them.
+        ready for a reply (unless `add_generation_prompt` is false), as token ids; `tools` go
+        to a template that reads them, `variables` (chat_template_kwargs) to the template.
 
         Raises:
             ChatTemplateError: the model has no chat template, or it refused the messages
                 (Gemma 2's "System role not supported") or failed on them.
         """
-        return self._inputs.chat_ids(self._inputs.render_chat(messages, tools))
+        text = self._inputs.render_chat(
+            messages, tools, add_generation_prompt=add_generation_prompt, variables=variables
+        )
+        return self._inputs.chat_ids(text)
 
     @property
     def template_reads_tools(self) -> bool:

@@ -13,7 +13,7 @@ than that (runs of one character) is tokenised whole, as before.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jinja2
@@ -95,10 +95,16 @@ class InputProcessor:
         return max_tokens
 
     def render_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
-        """The chat template over `messages`, ready for the assistant's reply, as text;
-        `tools` go to a template that reads them.
+        """The chat template over `messages`, ready for the assistant's reply (unless
+        `add_generation_prompt` is false), as text; `tools` go to a template that reads them,
+        `variables` (a request's chat_template_kwargs) are the template's to read.
 
         Raises:
             ChatTemplateError: the model has no chat template, or the template refused the
@@ -116,7 +122,8 @@ class InputProcessor:
                 tools=tools,
                 chat_template=self._chat_template,
                 tokenize=False,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
+                **(variables or {}),
             )
         except Exception as exc:
             # The template is the model's code run on the caller's messages: whatever it
