@@ -19,6 +19,7 @@ import torch
 
 from ..config import WorkerConfig
 from ..wire import KernelChoice
+from . import _native
 from ._attention import AttentionBackend, QkvAttention, StepAttention, TorchAttention
 from ._config import quantization_for, torch_dtype
 from ._cpu_decode import CpuStep, build_cpu_step
@@ -34,6 +35,7 @@ from ._pooler import Pooler
 from ._prompt_embeds import Embeds, PromptEmbeds
 from ._sampler import Sampler, SamplerOutput, compute_logprobs
 from ._sampling_batch import RequestSamplingState, SamplingBatch
+from ._startup_log import StartupLog
 from ._step_batch import PromptLogprobs, RunnerOutput, StepBatch
 from ._weights import Weights
 from .models import family_for
@@ -78,8 +80,10 @@ class ModelRunner:
 
     # -- start-up ---------------------------------------------------------------------------
 
-    def load_model(self, weights: Weights | None) -> None:
-        """Build the model on the device and load `weights` (None: random, for benchmarks)."""
+    def load_model(self, weights: Weights | None, log: StartupLog | None = None) -> None:
+        """Build the model on the device and load `weights` (None: random, for benchmarks),
+        timing each phase into `log`."""
+        log = log or StartupLog(enabled=False)
         # Chosen first: an unsupported explicit choice fails before any weight is read.
         self.kernels = choose_kernels(
             self.device,
@@ -93,18 +97,26 @@ class ModelRunner:
         family = family_for(self.model_config.model_type)
         assert family is not None  # ModelConfig.from_dict accepts only registered types
         model_class: type[LlamaForCausalLM] = family.load().MODEL
-        with torch.device(self.device):
-            model = model_class(self.model_config, self.tp, self.dtype)
-        if weights is None:
-            for param in model.parameters():
-                param.data.normal_(0.0, 0.02)
-        else:
-            model.load_weights(weights, keep_quantized=self.kernels.quantization == "gguf")
+        with log.phase("model built and weights loaded"):
+            with torch.device(self.device):
+                model = model_class(self.model_config, self.tp, self.dtype)
+            if weights is None:
+                for param in model.parameters():
+                    param.data.normal_(0.0, 0.02)
+            else:
+                model.load_weights(weights, keep_quantized=self.kernels.quantization == "gguf")
         if self.device.type == "cpu":  # before packing: it tiles the dense weights
-            self.cpu_step, decode = build_cpu_step(model, self.config, self.block_size)
+            with log.phase("C decode step") as notes:
+                built = len(_native.BUILT)
+                self.cpu_step, decode = build_cpu_step(model, self.config, self.block_size)
+                compiled = _native.BUILT[built:]
+                notes.append(f"(built {', '.join(compiled)})" if compiled else "(cached kernels)")
+                if self.cpu_step is None:
+                    notes[-1] = "(off)"
             self.kernels = msgspec.structs.replace(self.kernels, decode=decode)
         if self.kernels.linear == "onednn":
-            model.pack_linears()
+            with log.phase("linears packed for oneDNN"):
+                model.pack_linears()
         self.model = model.eval()
 
     def kv_bytes_per_block(self) -> int:

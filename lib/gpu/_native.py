@@ -46,6 +46,10 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+# The kernels this process compiled (the rest came from the cache): the start-up log's words.
+BUILT: list[str] = []
+
+
 @functools.cache
 def load(name: str) -> ctypes.CDLL:
     """The built `csrc/<name>.c`, loaded (built first if this machine has no cached copy).
@@ -71,6 +75,7 @@ def load(name: str) -> ctypes.CDLL:
     target = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         _build(compiler, flags, source, target)
+        BUILT.append(name)
     return ctypes.CDLL(str(target))
 
 

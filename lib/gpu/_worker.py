@@ -25,6 +25,7 @@ from ..wire import KernelChoice
 from ._config import torch_device
 from ._model_runner import ModelRunner
 from ._parallel import TensorParallel
+from ._startup_log import StartupLog
 from ._step_batch import NewRequest, RunnerOutput, StepBatch
 from ._weights import open_model
 
@@ -59,6 +60,7 @@ class Worker:
         self._runner: ModelRunner | None = None
         self._asleep_blocks: int | None = None  # the KV cache's size while asleep
         self._weights_offloaded = False  # sleep level 2 on CUDA: the weights are on the host
+        self.log = StartupLog(enabled=rank == 0)  # one rank's lines say it for all
 
     @property
     def runner(self) -> ModelRunner:
@@ -68,6 +70,10 @@ class Worker:
 
     def init_device(self) -> None:
         """Pick the device, join the process group (gloo on CPU, NCCL on CUDA), snapshot memory."""
+        with self.log.phase("device and process group"):
+            self._init_device()
+
+    def _init_device(self) -> None:
         device = torch_device(self.config)
         if device.type == "cuda":
             device = torch.device("cuda", (device.index or 0) + self.local_rank)
@@ -96,9 +102,10 @@ class Worker:
 
     def load_model(self) -> None:
         """Read the model's config, build it on the device, load this rank's weight shards."""
-        model_config, weights = open_model(self.config.model, self.config.load_format)
+        with self.log.phase("checkpoint opened"):
+            model_config, weights = open_model(self.config.model, self.config.load_format)
         runner = ModelRunner(self.config, model_config, self.tp, self.device)
-        runner.load_model(weights)
+        runner.load_model(weights, self.log)
         self._runner = runner
 
     def num_available_kv_blocks(self) -> int:
@@ -111,7 +118,8 @@ class Worker:
         per_block = self.runner.kv_bytes_per_block()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-            self.profile_run()
+            with self.log.phase("profile run (peak activation memory)"):
+                self.profile_run()
             total = torch.cuda.mem_get_info(self.device)[1]
             used_outside = total - self.free_memory_at_start  # other processes, before us
             budget = int(total * self.config.gpu_memory_utilization) - used_outside
@@ -149,11 +157,14 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache, then capture the decode CUDA graphs over it (on CUDA)."""
-        self.runner.init_kv_cache(num_blocks)
+        with self.log.phase(f"KV cache of {num_blocks} blocks allocated"):
+            self.runner.init_kv_cache(num_blocks)
         if self.device.type == "cuda":
-            line = self.runner.capture_cuda_graphs()
+            with self.log.phase("CUDA graphs captured"):
+                line = self.runner.capture_cuda_graphs()
             if self.rank == 0:
                 print(f"trillm: {line}", file=sys.stderr, flush=True)
+        self.log.total()
 
     def execute(
         self, batch: StepBatch, masks: Callable[[], np.ndarray] | None = None

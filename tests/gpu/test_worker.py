@@ -54,3 +54,25 @@ def test_a_kv_budget_below_one_block_says_what_to_change(tiny_model_dir: Path) -
         match="needs 8192 bytes on rank 0 and the budget is 100 bytes; raise kv_cache_bytes",
     ):
         worker.num_available_kv_blocks()
+
+
+def test_start_up_logs_each_phase_and_the_total(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One line per phase, in the order they run, then the total: the figures that say why one
+    start-up took longer than another."""
+    worker = Worker(WorkerConfig(str(tiny_model_dir), device="cpu", kv_cache_bytes=1 << 20))
+    worker.init_device()
+    worker.load_model()
+    worker.init_kv_cache(worker.num_available_kv_blocks())
+    lines = [line for line in capsys.readouterr().err.splitlines() if "start-up:" in line]
+    phases = [line.split("start-up: ", 1)[1].rsplit(":", 1)[0] for line in lines]
+    assert phases[:3] == [
+        "device and process group",
+        "checkpoint opened",
+        "model built and weights loaded",
+    ]
+    assert phases[3].startswith("C decode step (")
+    assert phases[-2].startswith("KV cache of ") and phases[-1].startswith("worker ready in")
+    seconds = [float(line.rsplit(" ", 2)[-2]) for line in lines]
+    assert seconds[-1] >= sum(seconds[:-1]) - 0.01  # the total holds every phase
