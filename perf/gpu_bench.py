@@ -16,6 +16,13 @@ the real `ModelRunner`, driven step by step (`tests/gpu/driver.py`):
 
     python perf/gpu_bench.py [--json PATH] [--batches 1,8,32,64] [--eager-batches 1] [--context 512]
     python perf/gpu_bench.py --dry-run   # the same code on CPU: a tiny model, 2 iterations
+    python perf/gpu_bench.py --count-launches   # kernels per decode step (CPU or CUDA)
+
+`--count-launches` counts the kernels of one eager decode step, per step and per layer, of
+Llama 3.2 1B's and SmolLM2-135M's layer structure (on the CPU with narrow widths: the count
+does not depend on them), with the attention backend of CUDA (Triton; its interpreter on the
+CPU): the aten ops that launch a kernel and the Triton launches (`_launch_count.py`). On CUDA
+it adds torch.profiler's count of the kernels that ran, eager and in a graph replay.
 """
 
 from __future__ import annotations
@@ -87,6 +94,24 @@ TINY: dict[str, Any] = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+# SmolLM2-135M-Instruct's (the default model's) config.json, less its weights.
+SMOLLM2: dict[str, Any] = {
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+# Widths the CPU counts launches at: the same ops at a fraction of the arithmetic.
+NARROW = {"hidden_size": 96, "intermediate_size": 192, "head_dim": 16, "vocab_size": 2048}
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 4096
 
@@ -221,6 +246,7 @@ def open_runner(
     num_blocks: int,
     max_num_seqs: int,
     max_num_batched_tokens: int,
+    cpu_linear: str = "auto",
 ) -> tuple[ModelRunner, dict[str, Any]]:
     """A runner with random weights and `num_blocks` KV blocks; CUDA graphs captured as the
     worker does (after the KV cache, on CUDA, unless eager). Returns what the capture took.
@@ -238,6 +264,7 @@ def open_runner(
         max_model_len=MAX_MODEL_LEN,
         attention_backend=attention_backend,
         enforce_eager=enforce_eager,
+        cpu_linear=cpu_linear,
     )
     model_config, weights = open_model(config.model, config.load_format)
     runner = ModelRunner(config, model_config, TensorParallel(), device)
@@ -463,6 +490,68 @@ def table(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def count_launches(args: argparse.Namespace, device: torch.device, tmp: Path) -> dict[str, Any]:
+    """Kernels per eager decode step (and per graph replay on CUDA) of each model's layers."""
+    from _launch_count import count_decode
+
+    backend = "triton" if args.attention_backend == "auto" else args.attention_backend
+    on_cuda = device.type == "cuda"
+    context = args.context if on_cuda else 64
+    steps = 4  # 3 counted (each the same) and, on CUDA, 1 under the profiler
+    shapes = [("Llama-3.2-1B", LLAMA_1B), ("SmolLM2-135M", SMOLLM2)]
+    batches = (1, 8)
+    if args.dry_run:  # gpu_check.sh --dry-run: the same code in seconds
+        shapes, batches, context = [("tiny Llama", TINY)], (1,), 32
+    models = []
+    for name, shape in shapes:
+        if not on_cuda and not args.dry_run:
+            heads = shape["num_attention_heads"] // shape["num_key_value_heads"]
+            shape = {**shape, **NARROW, "num_attention_heads": heads, "num_key_value_heads": 1}
+        model_dir = write_model_dir(tmp / name, llama_config(shape))
+        blocks = 8 * (-(-(context + steps + 2) // BLOCK_SIZE)) + 8
+        row: dict[str, Any] = {"model": name, "layers": shape["num_hidden_layers"]}
+        for mode, eager in (("eager", True), ("graphs", False)):
+            if not eager and not on_cuda:
+                continue  # graphs are CUDA only
+            runner, _ = open_runner(
+                model_dir, device, enforce_eager=eager, attention_backend=backend,
+                num_blocks=blocks, max_num_seqs=8, max_num_batched_tokens=8 * context,
+                cpu_linear="aten",
+            )  # fmt: skip
+            row[mode] = [count_decode(runner, b, context, steps) for b in batches]
+            del runner
+            free_memory(device)
+        models.append(row)
+    return {"attention_backend": backend, "context": context, "launches": models}
+
+
+def launches_table(result: dict[str, Any]) -> list[str]:
+    lines = [
+        f"kernels per eager decode step on {result['device_name']} (attention "
+        f"{result['attention_backend']}, context {result['context']}; CPU: aten ops that "
+        "launch + Triton launches, input uploads not counted)",
+        "model          layers  batch  per step  per layer  outside  syncs  same/step  "
+        "profiler eager  profiler graphs",
+    ]
+    for m in result["launches"]:
+        for i, c in enumerate(m["eager"]):
+            prof = c["cuda_profiler"]
+            graphs = m.get("graphs", [None, None])[i]
+            graph_prof = graphs and graphs["cuda_profiler"]
+            lines.append(
+                f"{m['model']:<14} {m['layers']:>6}  {c['batch']:>5}  {c['per_step']:>8}  "
+                f"{c['per_layer']!s:>9}  {c['outside_layers']:>7}  {c['syncs']:>5}  "
+                f"{c['same_every_step']!s:>9}  {prof['kernels'] if prof else '-':>14}  "
+                f"{graph_prof['kernels'] if graph_prof else '-':>15}"
+            )
+    first = result["launches"][0]["eager"][0]
+    ops = ", ".join(f"{k} {v}" for k, v in first["layer_ops"].items())
+    lines.append(f"one layer of {result['launches'][0]['model']}: {ops}")
+    ops = ", ".join(f"{k} {v}" for k, v in first["outside_ops"].items())
+    lines.append(f"outside the layers: {ops}")
+    return lines
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, a tiny model, 2 iterations")
@@ -475,6 +564,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--copy-mib", type=int, help="bytes copied for the bandwidth, MiB")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the results")
+    parser.add_argument(
+        "--count-launches",
+        action="store_true",
+        help="count the kernels per decode step instead (on CUDA if there is one, else CPU)",
+    )
     args = parser.parse_args(argv)
     defaults = (
         {"context": 32, "steps": 2, "prefill_lens": "32,128", "repeats": 2, "copy_mib": 64}
@@ -495,6 +589,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.count_launches:
+        cuda = torch.cuda.is_available() and not args.dry_run
+        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        result: dict[str, Any] = {
+            "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
+            "torch": torch.__version__,
+        }
+        with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
+            result |= count_launches(args, device, Path(tmp))
+        result["table"] = launches_table(result)
+        print("\n".join(result["table"]), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_bench: no CUDA device; run with --dry-run to check it on CPU", file=sys.stderr)
         return 2
@@ -505,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
         mc = open_model(str(model_dir), "dummy")[0]
         config = WorkerConfig(str(model_dir), attention_backend=args.attention_backend)
         element = torch.empty(0, dtype=torch.bfloat16).element_size()
-        result: dict[str, Any] = {
+        result = {
             "dry_run": args.dry_run,
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__,

@@ -11,7 +11,7 @@
 #           there; an import check of what each part needs; the device (CUDA is required)
 #   pytest  pytest -m gpu on the files that hold gpu-marked tests (test_cuda.py, ...)
 #   bench   perf/gpu_bench.py: decode with CUDA graphs at 4 batch sizes, eager at batch 1,
-#           against the roofline; prefill TFLOP/s
+#           against the roofline; prefill TFLOP/s; then --count-launches (kernels per step)
 #   serve   perf/_gpu_serve.py: trillm serve of a dummy 1B-shaped model under bench_serve.py at
 #           concurrency 1 and 64 (TTFT, TPOT, output tok/s, GPU busy fraction)
 # Fail-fast: a part whose imports (or, on the device, CUDA) the setup found missing is skipped
@@ -164,7 +164,8 @@ done = finished in ("1", "interrupted")
 ok = finished == "1" and list(parts) == names and all(p["ok"] for p in parts.values())
 report = {"dry_run": dry, "finished": done, "interrupted": interrupted, "ok": ok,
           "seconds": seconds, "parts": parts, "env": load("env.json"),
-          "pytest": load("pytest.json"), "bench": load("bench.json"), "serve": load("serve.json")}
+          "pytest": load("pytest.json"), "bench": load("bench.json"),
+          "launches": load("launches.json"), "serve": load("serve.json")}
 (out / "gpu_check.json").write_text(json.dumps(report, indent=1) + "\n")
 env = report["env"] or {}
 status = "PASS" if ok else "INTERRUPTED" if interrupted else "FAIL" if done else "RUNNING"
@@ -175,7 +176,7 @@ for name, p in parts.items():
 if report["pytest"]:
     lines.append(f"pytest: {report['pytest']}")
 lines += [f"cannot import {k}: {v}" for k, v in env.get("missing", {}).items()]
-for name in ("bench", "serve"):
+for name in ("bench", "launches", "serve"):
     if report[name]:
         lines += [""] + report[name].get("table", [])
 (out / "summary.txt").write_text("\n".join(lines) + "\n")
@@ -303,8 +304,16 @@ run_pytest() { # -v: a killed run's log still says which tests passed; the sessi
   return "$rc"
 }
 
-run_bench() {
-  bounded "$1" "$PYTHON" perf/gpu_bench.py "${DRY_FLAG[@]}" --json "$WORK/bench.json"
+run_bench() { # the benchmark, then the kernels per decode step in what is left of the bound
+  local started=$SECONDS rc=0
+  bounded "$1" "$PYTHON" perf/gpu_bench.py "${DRY_FLAG[@]}" --json "$WORK/bench.json" || rc=$?
+  local left=$(($1 - (SECONDS - started)))
+  if [ "$left" -lt 30 ]; then
+    echo "--count-launches skipped: ${left} s of the part's ${1} s left" && return "$rc"
+  fi
+  bounded "$left" "$PYTHON" perf/gpu_bench.py "${DRY_FLAG[@]}" --count-launches \
+    --json "$WORK/launches.json" || rc=$?
+  return "$rc"
 }
 
 run_serve() { # _gpu_serve.py ends its runs 15 s before the part's bound and reports; on the
@@ -316,7 +325,7 @@ run_serve() { # _gpu_serve.py ends its runs 15 s before the part's bound and rep
 echo "gpu_check.sh$([ "$DRY_RUN" = 1 ] && echo ' --dry-run'): OUT=$OUT, python $PYTHON"
 part setup 90 setup
 part pytest 120 run_pytest
-part bench 100 run_bench
-part serve 130 run_serve
+part bench 120 run_bench
+part serve 120 run_serve
 report 1
 exit "$FAILED"

@@ -68,6 +68,10 @@ def test_the_dry_run_passes_and_reports_every_part(tmp_path: Path) -> None:
     assert bench["copy_bandwidth_gbps"] > 0
     assert set(bench["capture"]) == {"eager", "graphs"}
 
+    (launches,) = report["launches"]["launches"]  # --count-launches --dry-run: the tiny model
+    step = launches["eager"][0]
+    assert step["per_step"] == step["per_layer"] * launches["layers"] + step["outside_layers"]
+
     serve = report["serve"]
     assert serve["problems"] == []
     assert serve["model"]["vocab_size"] == 49152 and "SmolLM2" in serve["model"]["description"]
@@ -81,7 +85,7 @@ def test_the_dry_run_passes_and_reports_every_part(tmp_path: Path) -> None:
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert summary.startswith("gpu_check --dry-run on cpu")
     assert ": PASS in " in summary.splitlines()[0]
-    assert "graphs ms" in summary and "TTFT med ms" in summary
+    assert "graphs ms" in summary and "TTFT med ms" in summary and "per layer" in summary
 
 
 @pytest.mark.slow
