@@ -10,7 +10,7 @@ list comes last among the options.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,6 +155,19 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     _add(serve, options.values())  # declared, not in the layout yet
 
 
+def _with_message(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse`, its ValueError's message shown by argparse (which otherwise prints only
+    "invalid value")."""
+
+    def parsed(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parsed
+
+
 def _add(group: Any, options: Iterable[Option]) -> None:
     for option in options:
         declared = option.flag
@@ -162,7 +175,11 @@ def _add(group: Any, options: Iterable[Option]) -> None:
             "help": argparse.SUPPRESS if declared.hidden else declared.help,
             "default": option.default,
         }
-        if option.kind is bool:
+        if declared.many:  # one or more values, the flag repeatable
+            kwargs.update(nargs="+", action="extend", default=list(option.default))
+            if declared.parse is not None:
+                kwargs["type"] = _with_message(declared.parse)
+        elif option.kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction if option.default else "store_true"
         elif option.kind is not str:
             kwargs["type"] = option.kind

@@ -21,7 +21,7 @@ import os
 import re
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +37,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 CPU_LINEAR = ("auto", "onednn", "aten")  # `trillm.gpu._cpu_linear`
 QUANTIZATIONS = ("auto", "gguf", "none")  # `trillm.gpu._quantized`
 MAX_CUDA_GRAPH_BATCH = 512
+MAX_LORA_RANK = 64
 _FAULT = re.compile(r"(forward|token):\d+:\d+")
 
 
@@ -46,7 +47,8 @@ class Flag:
 
     Its type is the field's (without None): a bool is a switch, `--x` (or `--x/--no-x` when it
     defaults to True). Its default is the field's, or `cli_default` where the server's differs
-    or the field has none; None: the field's.
+    or the field has none; None: the field's. `many`: the field is a tuple, given as one or
+    more values, the flag repeatable (`--x a b --x c`); `parse` turns each string into an item.
     """
 
     names: tuple[str, ...]
@@ -55,6 +57,8 @@ class Flag:
     metavar: str | None = None
     cli_default: Any = None
     hidden: bool = False  # a test hook: parsed, not in --help
+    many: bool = False
+    parse: Callable[[str], Any] | None = None
 
     @property
     def dest(self) -> str:
@@ -100,14 +104,19 @@ def options_of(config: type, table: Mapping[str, Flag] | None = None) -> list[Op
         default = declared.cli_default
         if default is None and defaults[name] not in (dataclasses.MISSING, msgspec.NODEFAULT):
             default = defaults[name]
-        options.append(Option(declared, name, _scalar(hints[name]), default))
+        kind = str if declared.many else _scalar(hints[name])
+        options.append(Option(declared, name, kind, default))
     return options
 
 
 def fields_from(options: Iterable[Option], values: Mapping[str, Any]) -> dict[str, Any]:
     """A config's keyword arguments from flag values by dest; a flag left out of `values`
     is left to its field's default."""
-    return {o.field: values[o.flag.dest] for o in options if o.flag.dest in values}
+    return {
+        o.field: tuple(values[o.flag.dest]) if o.flag.many else values[o.flag.dest]
+        for o in options
+        if o.flag.dest in values
+    }
 
 
 def _scalar(hint: Any) -> type:
@@ -197,6 +206,26 @@ class WorkerConfig:
             "serves the built-in model's GGUF file, auto and none its float32 conversion",
         ),
     )
+    # LoRA adapters (vLLM's flags): `max_loras` fixed slots on the device (the distinct
+    # adapters one step may hold), each of rank up to `max_lora_rank`; `max_cpu_loras`
+    # adapters kept in host memory, least recently used dropped (None: max_loras).
+    enable_lora: bool = field(
+        default=False, metadata=flag("--enable-lora", help="serve LoRA adapters")
+    )
+    max_loras: int = field(
+        default=1,
+        metadata=flag("--max-loras", help="LoRA adapters one step may hold (device slots)"),
+    )
+    max_lora_rank: int = field(
+        default=16, metadata=flag("--max-lora-rank", help=f"up to {MAX_LORA_RANK}")
+    )
+    max_cpu_loras: int | None = field(
+        default=None,
+        metadata=flag(
+            "--max-cpu-loras",
+            help="LoRA adapters kept in host memory, LRU (default: --max-loras)",
+        ),
+    )
     # Test hook: "forward:RANK:STEP" raises InjectedFault inside the model's forward on that
     # rank at that step (counting from 0), so death reporting can be tested end to end;
     # "token:RANK:ID" raises it in every step whose input holds token ID (a poison request).
@@ -246,6 +275,25 @@ class WorkerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
             if getattr(self, name) <= 0:
                 raise WorkerConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1:
+            raise WorkerConfigError(f"max_loras must be >= 1, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise WorkerConfigError(
+                f"max_lora_rank must be in 1..{MAX_LORA_RANK}, got {self.max_lora_rank}"
+            )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise WorkerConfigError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "
+                f"an adapter in a device slot is kept in host memory too"
+            )
+
+    @property
+    def num_cpu_loras(self) -> int:
+        """Adapters kept in host memory (`max_cpu_loras`, default `max_loras`)."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
     def device_name(self) -> str:
         """`device` with "auto" resolved as the worker will resolve it: "cuda" when the driver

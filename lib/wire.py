@@ -9,6 +9,9 @@
 - `KernelChoice`: the kernels a worker chose at load (`trillm.gpu._kernels.choose_kernels`);
   READY carries it to the frontend for the start-up line, `/version` and the
   `trillm:kernel_info` metric.
+- `LoraModule`: a LoRA adapter by name, directory and integer id (vLLM's `LoRARequest`):
+  `--lora-modules` parses into it (`parse_lora_module`), the engine's config and the runtime
+  load call carry it, the worker reads the directory.
 
 They live outside `trillm.gpu` so that the API process never loads torch to read them.
 """
@@ -16,6 +19,7 @@ They live outside `trillm.gpu` so that the API process never loads torch to read
 from __future__ import annotations
 
 import enum
+import json
 
 import msgspec
 
@@ -110,3 +114,70 @@ class KernelChoice(msgspec.Struct, array_like=True, frozen=True, gc=False):
         if self.decode:
             line += f", decode {self.decode}"
         return line
+
+
+class LoraModuleError(ValueError):
+    """A `--lora-modules` entry is malformed; the message shows the accepted forms."""
+
+
+class LoraModule(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """A LoRA adapter: its name (what requests give as `model`), its PEFT directory, the
+    base model it was trained on (shown by /v1/models; None: the served model), and its id.
+
+    `lora_int_id` 0 means "not numbered yet": `numbered` gives the i-th module id i + 1, the
+    frontend and the engine alike; adapters loaded at run time get the next free id. Ids,
+    never names, cross the request ring (`AddHeader.lora_id`). Field order is ABI.
+    """
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+    lora_int_id: int = 0
+
+
+def parse_lora_module(spec: str) -> LoraModule:
+    """One `--lora-modules` entry, in vLLM's forms: `name=path`, or JSON
+    `{"name": ..., "path": ..., "base_model_name": ...}`.
+
+    Raises:
+        LoraModuleError: neither form, or an empty name or path.
+    """
+    if spec.lstrip().startswith("{"):
+        try:
+            raw = json.loads(spec)
+        except json.JSONDecodeError as exc:
+            raise LoraModuleError(f"--lora-modules {spec!r} is not valid JSON: {exc}") from None
+        if not isinstance(raw, dict) or set(raw) - {"name", "path", "base_model_name"}:
+            raise LoraModuleError(
+                f"--lora-modules {spec!r}: a JSON entry has the keys name, path and "
+                f"(optionally) base_model_name"
+            )
+        name, path, base = raw.get("name"), raw.get("path"), raw.get("base_model_name")
+    else:
+        name, _, path = spec.partition("=")
+        base = None
+    if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+        raise LoraModuleError(
+            f"--lora-modules {spec!r}: give name=path, or JSON "
+            f'\'{{"name": "sql", "path": "/adapters/sql", "base_model_name": "..."}}\''
+        )
+    if base is not None and not isinstance(base, str):
+        raise LoraModuleError(f"--lora-modules {spec!r}: base_model_name must be a string")
+    return LoraModule(name, path, base)
+
+
+def numbered(modules: tuple[LoraModule, ...] | list[LoraModule]) -> tuple[LoraModule, ...]:
+    """`modules` with every id 0 replaced by its position + 1 (the start-up adapters' ids).
+
+    Raises:
+        LoraModuleError: two adapters share a name or an id.
+    """
+    out = tuple(
+        m if m.lora_int_id else msgspec.structs.replace(m, lora_int_id=i + 1)
+        for i, m in enumerate(modules)
+    )
+    names = [m.name for m in out]
+    ids = [m.lora_int_id for m in out]
+    if len(set(names)) != len(names) or len(set(ids)) != len(ids):
+        raise LoraModuleError(f"LoRA adapters need distinct names, got {names}")
+    return out

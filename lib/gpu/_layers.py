@@ -6,6 +6,8 @@ knows how to take its shard out of a full Hugging Face weight (`load`), so a che
 read once, whatever the tensor-parallel size. A GGUF weight kept in its blocks
 (`QuantizedTensor`) is sharded the same way, block rows or block-aligned columns, and packed for
 its kernel (int4 or float16) by `finish_quantized` once every part has arrived (`_quantized`).
+With LoRA on, a linear's `lora` (`_lora_slots.LoraLinear`) adds the step's adapter deltas
+after the base product (a row-parallel one before its all-reduce).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import nn
 
 from ._cpu_linear import pack_weight, packed_linear
 from ._gguf_blocks import QuantizedTensor
+from ._lora_slots import LoraLinear
 from ._parallel import TensorParallel
 from ._quantized import QuantizedLinearWeight, pack_quantized
 
@@ -125,6 +128,7 @@ class ColumnParallelLinear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.quantized: QuantizedLinearWeight | None = None
         self._quantized_parts: dict[int, QuantizedTensor] = {}
+        self.lora: LoraLinear | None = None  # `--enable-lora`: the adapters' slots
         # Kept quantized in C tiles (`_tiles`), gate/up goes tile by tile, as the C decode
         # step fuses SiLU(gate) * up; the forward still sees [gate | up].
         self.interleaved = (
@@ -183,7 +187,8 @@ class ColumnParallelLinear(nn.Module):
             _drop(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.quantized, self.packed, self.weight, self.bias)
+        out = _linear(x, self.quantized, self.packed, self.weight, self.bias)
+        return out if self.lora is None else self.lora.add_delta(x, out)
 
 
 class RowParallelLinear(nn.Module):
@@ -213,6 +218,7 @@ class RowParallelLinear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.quantized: QuantizedLinearWeight | None = None
         self._quantized_columns: QuantizedTensor | None = None
+        self.lora: LoraLinear | None = None  # `--enable-lora`: the adapters' slots
 
     def load(self, weight: torch.Tensor | QuantizedTensor, *, is_bias: bool = False) -> None:
         """Copy (or, quantized, keep) this rank's columns of the full `weight` (the bias is
@@ -241,7 +247,10 @@ class RowParallelLinear(nn.Module):
             _drop(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(_linear(x, self.quantized, self.packed, self.weight))
+        local = _linear(x, self.quantized, self.packed, self.weight)
+        if self.lora is not None:  # partial deltas (A split like x), summed with the base's
+            local = self.lora.add_delta(x, local)
+        out = self.tp.all_reduce(local)
         return out if self.bias is None else out + self.bias
 
 

@@ -7,10 +7,15 @@ attention in the torch forward, or the torch forward with its attention metadata
 logits only for the rows that reach their sequence's end (and for prompt positions of `echo`
 requests), sample, and append the sampled tokens to the persistent rows. Pooling requests
 (embeddings) sample nothing: their rows go to the `Pooler`, which returns one float32 block.
+With `--enable-lora`, each row's adapter is put in a slot and the step's tokens are grouped
+by slot (`LoraManager.prepare`) before the forward; a step with adapters takes neither a CUDA
+graph nor the C decode step (their linears add no delta): the torch forward, with C's
+attention on CPU (`_forward`).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import msgspec
@@ -18,7 +23,7 @@ import numpy as np
 import torch
 
 from ..config import WorkerConfig
-from ..wire import KernelChoice
+from ..wire import KernelChoice, LoraModule
 from . import _native
 from ._attention import AttentionBackend, QkvAttention, StepAttention, TorchAttention
 from ._config import quantization_for, torch_dtype
@@ -29,6 +34,8 @@ from ._forward import FaultHook, Path, choose_path
 from ._grammar_mask import apply_grammar_bitmask, step_bitmask
 from ._input_batch import InputBatch, StepInputs
 from ._kernels import choose_kernels
+from ._lora import LoraManager
+from ._lora_weights import LoraAdapterError
 from ._model_config import ModelConfig
 from ._parallel import TensorParallel
 from ._pooler import Pooler
@@ -72,6 +79,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # made by capture_cuda_graphs
         self.cpu_step: CpuStep | None = None  # made by load_model on CPU
         self.model: LlamaForCausalLM | None = None
+        self.lora: LoraManager | None = None  # made by load_model with --enable-lora
+        self._lora_fallback_logged = False
         self.kernels: KernelChoice | None = None  # chosen by load_model
         self._cpu_features = cpu_features
         self.faults = FaultHook(config, tp.rank)
@@ -105,6 +114,18 @@ class ModelRunner:
                     param.data.normal_(0.0, 0.02)
             else:
                 model.load_weights(weights, keep_quantized=self.kernels.quantization == "gguf")
+        if self.config.enable_lora:
+            self.lora = LoraManager(
+                model,
+                self.model_config,
+                self.tp,
+                max_loras=self.config.max_loras,
+                max_rank=self.config.max_lora_rank,
+                max_cpu_loras=self.config.num_cpu_loras,
+                max_rows=self.config.max_num_seqs,
+                dtype=self.dtype,
+                device=self.device,
+            )
         if self.device.type == "cpu":  # before packing: it tiles the dense weights
             with log.phase("C decode step") as notes:
                 built = len(_native.BUILT)
@@ -223,7 +244,11 @@ class ModelRunner:
         if self.prompt_embeds:
             rnums = batch.scheduled_rnums.tolist()
             embeds = self.prompt_embeds.for_step(rnums, inputs, self._tensor)
-        torch_only = fault or embeds is not None  # graphs and the C step read token ids
+        adapted = self.lora is not None and self.lora.prepare(inputs.rows, inputs.counts)
+        if adapted:
+            self._log_lora_fallback()
+        # Graphs and the C step read token ids, and add no adapter delta.
+        torch_only = fault or embeds is not None or adapted
         path = choose_path(inputs, self.graphs, self.cpu_step, fault=torch_only)
         hidden = self._forward(path, inputs, embeds)
         prompt_logprobs = self._prompt_logprobs(batch, inputs, hidden)
@@ -288,9 +313,41 @@ class ModelRunner:
         )
         return hidden
 
+    def add_lora(self, module: LoraModule) -> str:
+        """Know adapter `module` (read and checked now); return its digest.
+
+        Raises:
+            LoraAdapterError: it cannot be served, or LoRA is off (`--enable-lora`).
+        """
+        if self.lora is None:
+            raise LoraAdapterError(
+                f"LoRA adapter {module.name!r}: LoRA is off: start the server with --enable-lora"
+            )
+        return self.lora.add(module)
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Forget adapter `lora_id` for new requests (running ones keep it)."""
+        if self.lora is not None:
+            self.lora.remove(lora_id)
+
+    def _log_lora_fallback(self) -> None:
+        if self._lora_fallback_logged or (self.cpu_step is None and self.graphs is None):
+            return
+        self._lora_fallback_logged = True
+        if self.tp.rank == 0:
+            what = "the C decode step" if self.cpu_step is not None else "CUDA graphs"
+            print(
+                f"trillm worker: steps with LoRA adapters run the torch forward, not {what} "
+                f"(the deltas are added by the torch linears; base-only steps still use it)",
+                file=sys.stderr,
+                flush=True,
+            )
+
     def remove_requests(self, rnums: np.ndarray) -> None:
         """Forget the requests `rnums` (their rows and sampling state); unknown ones too."""
         for rnum in rnums.tolist():
+            if self.lora is not None and (row := self.inputs.row_of.get(rnum)) is not None:
+                self.lora.remove_row(row)
             self.inputs.remove(rnum)
             self.sampling.pop(rnum, None)
             self.pooler.remove(rnum)
@@ -299,7 +356,11 @@ class ModelRunner:
     def _update_requests(self, batch: StepBatch) -> None:
         self.remove_requests(batch.finished_rnums)
         for request in batch.new_requests:
-            self.inputs.add(request)
+            if self.lora is not None and (old := self.inputs.row_of.get(request.rnum)) is not None:
+                self.lora.remove_row(old)
+            row = self.inputs.add(request)
+            if self.lora is not None:
+                self.lora.add_row(row, request.lora_id)
             if request.prompt_embeds:
                 self.prompt_embeds.add(request.rnum, request.prompt_embeds)
             if request.options.is_pooling:

@@ -29,6 +29,8 @@ class NewRequest(msgspec.Struct, array_like=True, gc=False, frozen=True):
     # The prompt as embeddings, float32 little-endian [prompt tokens, hidden] (b"": none):
     # they replace the token embedding of each prompt position (`_prompt_embeds`).
     prompt_embeds: bytes = b""
+    # The LoRA adapter of the request (0: the base model); the runner puts it in a slot.
+    lora_id: int = 0
 
 
 @dataclass

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import WorkerConfig
-from ..wire import KernelChoice
+from ..wire import KernelChoice, LoraModule
 from ._config import torch_device
 from ._model_runner import ModelRunner
 from ._parallel import TensorParallel
@@ -170,6 +170,18 @@ class Worker:
         self, batch: StepBatch, masks: Callable[[], np.ndarray] | None = None
     ) -> RunnerOutput:
         return self.runner.execute(batch, masks)
+
+    def add_lora(self, module: LoraModule) -> str:
+        """Read and check adapter `module` for this rank; return its digest.
+
+        Raises:
+            LoraAdapterError: it cannot be served; the message says why.
+        """
+        return self.runner.add_lora(module)
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Forget adapter `lora_id` for new requests; running ones keep it."""
+        self.runner.remove_lora(lora_id)
 
     def sleep(self, level: int) -> None:
         """Free the KV cache (and its CUDA graphs); level 2 also moves the weights to host

@@ -19,6 +19,9 @@ command (broadcast ring)  payload                               reply (result ri
 ``CMD_SHUTDOWN``          empty                                 none; the process exits 0
 ``CMD_SLEEP``             u64 sleep level (1 or 2)              ``REPLY_OK`` empty
 ``CMD_WAKE_UP``           empty                                 ``REPLY_OK`` empty
+``CMD_ADD_LORA``          `LoraModule` msgpack                  ``REPLY_LORA``: msgpack
+                                                                [ok, digest or why not]
+``CMD_REMOVE_LORA``       u64 adapter id                        ``REPLY_OK`` empty
 ========================  ====================================  ============================
 
 Any exception ends the process with exit code 1 after one ``REPLY_FAILURE`` record:
@@ -44,8 +47,10 @@ import trio
 from ..config import WorkerConfig
 from ..process import ParentDiedError, die_with_parent, set_title
 from ..transport_shm import Heartbeat, RingAddress, RingReader, RingWriter
+from ..wire import LoraModule
 from ._config import torch_device
 from ._failure import WorkerFailure
+from ._lora_weights import LoraAdapterError
 from ._step_batch import RunnerOutputCodec, StepBatchCodec
 from ._worker import Worker
 
@@ -55,10 +60,13 @@ CMD_STEP: Final = 3
 CMD_SHUTDOWN: Final = 4
 CMD_SLEEP: Final = 5
 CMD_WAKE_UP: Final = 6
+CMD_ADD_LORA: Final = 7
+CMD_REMOVE_LORA: Final = 8
 REPLY_NUM_BLOCKS: Final = 101
 REPLY_OK: Final = 102
 REPLY_OUTPUT: Final = 103
 REPLY_FAILURE: Final = 104
+REPLY_LORA: Final = 105
 
 U64: Final = struct.Struct("<Q")
 # Seconds between a rank's beats of its result ring's heartbeat word: the executor declares a
@@ -130,6 +138,19 @@ class _Server:
                     worker.sleep(level)
                 else:
                     worker.wake_up()
+                self.reply(REPLY_OK, b"")
+            elif kind == CMD_ADD_LORA:
+                module = msgspec.msgpack.decode(payload, type=LoraModule)
+                commands.release()
+                try:  # a bad adapter is the caller's mistake, not this rank's failure
+                    answer: list[object] = [True, worker.add_lora(module)]
+                except LoraAdapterError as exc:
+                    answer = [False, str(exc)]
+                self.reply(REPLY_LORA, msgspec.msgpack.encode(answer))
+            elif kind == CMD_REMOVE_LORA:
+                (lora_id,) = U64.unpack_from(payload)
+                commands.release()
+                worker.remove_lora(lora_id)
                 self.reply(REPLY_OK, b"")
             elif kind == CMD_SHUTDOWN:
                 worker.shutdown()

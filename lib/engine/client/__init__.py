@@ -25,6 +25,8 @@ from ._grammar_budget import MAX_STRUCTURED_DEPTH as MAX_STRUCTURED_DEPTH
 from ._grammar_budget import GrammarBudget as GrammarBudget
 from ._launch import EngineStartError as EngineStartError
 from ._llm import LLM as LLM
+from ._lora import LoraAdapterExistsError as LoraAdapterExistsError
+from ._lora import LoraNotFoundError as LoraNotFoundError
 from ._outputs import Output as Output
 from ._outputs import TokenLogprob as TokenLogprob
 from ._pooling import PoolerConfig as PoolerConfig

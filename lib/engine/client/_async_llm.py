@@ -18,7 +18,7 @@ from typing import Any, cast
 
 import trio
 
-from ...wire import PoolingType, SamplingOptions
+from ...wire import LoraModule, PoolingType, SamplingOptions
 from ..protocol import _messages as P
 from ._config import LLMConfig
 from ._engine_pool import EnginePool
@@ -29,6 +29,7 @@ from ._errors import (
     RequestFailedError,
 )
 from ._input_processor import InputProcessor
+from ._lora import LoraAdapters
 from ._output_processor import OutputProcessor
 from ._outputs import Mailbox, Output
 from ._pooling import PoolingOutput
@@ -60,6 +61,8 @@ class AsyncLLM:
         self._rnums = itertools.count(1)
         self._processor = OutputProcessor()
         self.engines = EnginePool(config, self._processor)
+        self.loras = LoraAdapters(config.engine.lora_modules)  # LoRA adapters by name
+        self.engines.lora_modules = self.loras.modules
         self.ready: P.Ready
         self.token_pieces: TokenPieces  # logprobs' token text and bytes, with the tokenizer
 
@@ -109,15 +112,18 @@ class AsyncLLM:
         *,
         run: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None,
         data_parallel_rank: int | None = None,
+        lora_name: str | None = None,
     ) -> PreparedRequest:
         """`prompt` checked whole, once, for `generate`: tokenised (ids checked against the
         vocabulary), its length against the model's, its constraint compiled. `run` runs the
         tokenising (the server hands it to a thread when the prompt is large).
         `data_parallel_rank` pins it to that engine (vLLM's), instead of the router's choice.
         A `PromptEmbeds` prompt (`LLMConfig.enable_prompt_embeds`) takes the place of the
-        token embeddings of as many placeholder ids.
+        token embeddings of as many placeholder ids. `lora_name` runs it with that LoRA
+        adapter (None: the base model).
 
         Raises:
+            LoraNotFoundError: no adapter `lora_name` is loaded.
             DataParallelRankError: `data_parallel_rank` is not in [0, data_parallel_size).
             PromptEmbedsError: prompt embeddings are off, or do not fit the model.
             InvalidPromptError: an empty prompt or a token id outside the vocabulary.
@@ -130,6 +136,7 @@ class AsyncLLM:
         """
         self.engines.check_alive()
         params = params or SamplingParams()
+        lora_id = self.loras.id_of(lora_name)
         size = len(self.engines)
         if data_parallel_rank is not None and not 0 <= data_parallel_rank < size:
             raise DataParallelRankError(
@@ -151,7 +158,7 @@ class AsyncLLM:
         grammar = await self.check_structured(params)
         data = b"" if embeds is None else embeds.data
         rank = data_parallel_rank
-        return PreparedRequest(token_ids, params, max_tokens, grammar, rank, data)
+        return PreparedRequest(token_ids, params, max_tokens, grammar, rank, data, lora_id)
 
     @asynccontextmanager
     async def generate(
@@ -160,6 +167,7 @@ class AsyncLLM:
         params: SamplingParams | None = None,
         *,
         data_parallel_rank: int | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestStream]:
         """Submit a request (`prepare`d, or a prompt and `params` to prepare now, pinned to
         engine `data_parallel_rank` if given); yields its stream.
@@ -177,7 +185,9 @@ class AsyncLLM:
                 e.g. its grammar did not compile within the deadline.
         """
         if not isinstance(request, PreparedRequest):
-            request = await self.prepare(request, params, data_parallel_rank=data_parallel_rank)
+            request = await self.prepare(
+                request, params, data_parallel_rank=data_parallel_rank, lora_name=lora_name
+            )
         params, token_ids = request.params, request.token_ids
         salt, rank = params.cache_salt or "", request.data_parallel_rank
         engine = await self.engines.choose(token_ids, salt, rank)
@@ -190,6 +200,7 @@ class AsyncLLM:
         ]
         for state in states:
             state.engine = engine.index
+            state.lora_id = request.lora_id
             self._processor.add(state)
         loads = self.engines.router.loads
         loads[engine.index] += params.n
@@ -207,6 +218,7 @@ class AsyncLLM:
                         request.grammar,
                         cache_salt=state.cache_salt,
                         prompt_embeds=request.prompt_embeds,
+                        lora_id=request.lora_id,
                     )
                 except trio.BrokenResourceError:
                     self.engines.check_engine(engine)
@@ -230,10 +242,12 @@ class AsyncLLM:
         params: SamplingParams | None = None,
         *,
         data_parallel_rank: int | None = None,
+        lora_name: str | None = None,
     ) -> list[Output]:
         """Generate to the end; one merged `Output` per child (index order)."""
         merged: dict[int, Output] = {}
-        async with self.generate(prompt, params, data_parallel_rank=data_parallel_rank) as stream:
+        pinned, lora = data_parallel_rank, lora_name
+        async with self.generate(prompt, params, data_parallel_rank=pinned, lora_name=lora) as stream:
             async for output in stream:
                 if output.index in merged:
                     merged[output.index].merge(output)
@@ -403,6 +417,45 @@ class AsyncLLM:
         if not ok:
             raise ValueError(str(result))
         return result
+
+    async def load_lora_adapter(
+        self, name: str, path: str, base_model_name: str | None = None
+    ) -> LoraModule:
+        """Load a LoRA adapter (a PEFT directory) on every engine; requests may then name it.
+
+        Raises:
+            LoraAdapterExistsError: `name` is loaded already.
+            ValueError: an engine refused it (LoRA off, a bad adapter); the message says why,
+                and no engine keeps it.
+        """
+        module = self.loras.new(name, path, base_model_name)
+        args: list[object] = [name, path, base_model_name, module.lora_int_id]
+        loaded: list[int] = []
+        try:
+            for engine in self.live_engines():
+                await self.utility("load_lora_adapter", engine, args)
+                loaded.append(engine)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                for engine in loaded:
+                    with contextlib.suppress(Exception):
+                        await self.utility("unload_lora_adapter", engine, [module.lora_int_id])
+            raise
+        self.loras.add(module)
+        return module
+
+    async def unload_lora_adapter(self, name: str) -> LoraModule:
+        """Unload adapter `name`: new requests for it are refused at once; requests running
+        with it end with it.
+
+        Raises:
+            LoraNotFoundError: no adapter of that name is loaded.
+        """
+        module = self.loras.remove(name)
+        for engine in self.live_engines():
+            with contextlib.suppress(ValueError):  # an engine restarted without it
+                await self.utility("unload_lora_adapter", engine, [module.lora_int_id])
+        return module
 
     # -- life ----------------------------------------------------------------------------
 

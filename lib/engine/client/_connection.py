@@ -63,6 +63,7 @@ class EngineConnection:
         *,
         cache_salt: str = "",
         prompt_embeds: bytes = b"",
+        lora_id: int = 0,
     ) -> Outgoing:
         """ADD `ids` (prompt, then `num_output_tokens` already generated when resumed;
         a prompt of `prompt_embeds` has placeholder ids)."""
@@ -75,6 +76,7 @@ class EngineConnection:
             num_output_tokens,
             cache_salt,
             prompt_embeds,
+            lora_id,
         )
         header = self._encoder.encode(add)
         tokens = np.asarray(ids, "<i4")

@@ -188,6 +188,7 @@ class EngineClient:
         *,
         cache_salt: str = "",
         prompt_embeds: bytes = b"",
+        lora_id: int = 0,
     ) -> None:
         """ADD `ids` (prompt, then `num_output_tokens` already generated when resumed)."""
         record = self.connection.encode_add(
@@ -199,6 +200,7 @@ class EngineClient:
             num_output_tokens,
             cache_salt=cache_salt,
             prompt_embeds=prompt_embeds,
+            lora_id=lora_id,
         )
         await self.send(record)
 

@@ -16,10 +16,12 @@ import contextlib
 import enum
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import msgspec
 import trio
 
+from ...wire import LoraModule
 from ..protocol._errors import RemoteError
 from ._config import LLMConfig
 from ._engine_client import EngineClient
@@ -52,6 +54,9 @@ class EnginePool:
         self._died = trio.Event()
         self._back = trio.Event()  # set (and renewed) when a restarted engine is READY
         self._shutting_down = False
+        # The LoRA adapters loaded now (`AsyncLLM.loras.modules`): a restarted engine starts
+        # with them, so requests resumed on it keep their adapter.
+        self.lora_modules: Callable[[], tuple[LoraModule, ...]] | None = None
 
     def __len__(self) -> int:
         return len(self.clients)
@@ -229,8 +234,11 @@ class EnginePool:
         its requests (`_resume.resend`; the quarantined ones one at a time), serve."""
         await old.shutdown(0)
         index = old.index
+        config = old.config
+        if self.lora_modules is not None:
+            config = msgspec.structs.replace(config, lora_modules=self.lora_modules())
         client = EngineClient(
-            index, old.name, old.config, self.processor, self._on_death, in_process=old.in_process
+            index, old.name, config, self.processor, self._on_death, in_process=old.in_process
         )
         self.clients[index] = client
         started = time.monotonic()

@@ -51,6 +51,7 @@ class RequestState:
     grammar: str = ""
     cache_salt: str = ""
     prompt_embeds: bytes = b""  # a prompt sent as embeddings (its ids are placeholders)
+    lora_id: int = 0  # its LoRA adapter's engine id (0: the base model), kept for a resume
     deaths: int = 0
     on_engine: bool = False
     quarantined: bool = False

@@ -25,3 +25,4 @@ class PreparedRequest:
     # A prompt sent as embeddings: float32 [len(token_ids), hidden] bytes (`_prompt_embeds`);
     # `token_ids` are then placeholders (0), one per row.
     prompt_embeds: bytes = b""
+    lora_id: int = 0  # the LoRA adapter's engine id (0: the base model)

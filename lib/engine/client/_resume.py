@@ -87,7 +87,7 @@ def poison_error(dead: EngineDeadError, state: RequestState) -> EngineDeadError:
 async def resend(engine: EngineClient, state: RequestState) -> None:
     """ADD `state` to `engine` again: prompt + tokens streamed so far, the same budget and
     cache salt (a resumed request must not read another tenant's blocks, nor leave its own
-    to them), and its prompt's embeddings when it was sent as such.
+    to them), its LoRA adapter, and its prompt's embeddings when it was sent as such.
 
     A seeded request continues from a derived seed (seed + tokens so far): the dead
     engine's generator position is gone with it. Prompt logprobs were already streamed.
@@ -106,6 +106,7 @@ async def resend(engine: EngineClient, state: RequestState) -> None:
         len(state.token_ids),
         cache_salt=state.cache_salt,
         prompt_embeds=state.prompt_embeds,
+        lora_id=state.lora_id,
     )
     state.on_engine = True
 

@@ -30,11 +30,13 @@ import numpy as np
 
 from ...gpu import RunnerOutput
 from ...transport_shm import BusyError, RingReader, RingWriter
+from ...wire import LoraModule, numbered
 from ..protocol import _messages as P
 from ..protocol._config import EngineConfig
 from ..protocol._step_record import FinishReason, write_step
 from ._executor import Executor
 from ._grammar import Grammars, load_ll_tokenizer
+from ._lora_registry import LoraRegistry, LoraRegistryError
 from ._request import Request, RequestStatus
 from ._scheduler import InvalidRequestError, Scheduler, SchedulerConfig, StepResult
 
@@ -97,8 +99,12 @@ class EngineCore:
                 max_model_len=self.max_model_len,
                 enable_prefix_caching=self.config.enable_prefix_caching,
                 hidden_size=model.hidden_size,
+                max_loras=worker.max_loras,
             )
         )
+        self.loras = LoraRegistry(self.executor, enabled=worker.enable_lora)
+        for module in numbered(self.config.lora_modules):  # a bad one fails the start
+            self.loras.load(module)
         self.eos_token_id = model.eos_token_ids[0] if model.eos_token_ids else None
         ready = P.Ready(
             num_blocks,
@@ -231,6 +237,7 @@ class EngineCore:
             if header.grammar:
                 request.status = RequestStatus.WAITING_FOR_GRAMMAR
             try:
+                request.lora_id, request.lora_digest = header.lora_id, self._digest(header)
                 self.scheduler.add_request(request)
             except InvalidRequestError as exc:  # the frontend validates; never kill the engine
                 self._rejected.append(header.rnum)
@@ -255,6 +262,14 @@ class EngineCore:
                 self._draining_until = time.monotonic() + max(0.0, shutdown.timeout)
         else:
             raise ValueError(f"unknown request-ring record kind {kind}")
+
+    def _digest(self, header: P.AddHeader) -> bytes:
+        try:
+            return self.loras.digest_of(header.lora_id)
+        except KeyError:
+            raise InvalidRequestError(
+                f"LoRA adapter id {header.lora_id} is not loaded (unloaded meanwhile?)"
+            ) from None
 
     def _abort(self, rnums: list[int]) -> None:
         if self._grammars is not None:
@@ -329,7 +344,23 @@ class EngineCore:
             return self._start_profile(str(args[0]) if args else "")
         if method == "stop_profile":
             return self._stop_profile()
+        if method in ("load_lora_adapter", "unload_lora_adapter"):
+            return self._lora_call(method, args)
         return "pong"
+
+    def _lora_call(self, method: str, args: list[object]) -> object:
+        """load_lora_adapter [name, path, base_model_name, id] -> id; unload_lora_adapter
+        [id] -> name."""
+        try:
+            if method == "unload_lora_adapter":
+                return self.loras.unload(int(str(args[0])))
+            name, path, base, lora_id = args
+            module = LoraModule(str(name), str(path), None if base is None else str(base))
+            return self.loras.load(msgspec.structs.replace(module, lora_int_id=int(str(lora_id))))
+        except LoraRegistryError as exc:
+            raise UtilityError(str(exc)) from None
+        except (ValueError, IndexError):
+            raise UtilityError(f"{method}: bad arguments {args!r}") from None
 
     def _sleep(self, level: object) -> int:
         """Abort what is in flight, forget the prefix cache, free the KV cache (and at level

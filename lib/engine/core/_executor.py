@@ -13,6 +13,7 @@ of returning when a worker failed; no call waits forever on a dead rank.
 from __future__ import annotations
 
 import abc
+import hashlib
 import time
 from collections.abc import Callable
 
@@ -28,6 +29,7 @@ from ...gpu import (
     WorkerFailure,
     step_bitmask,
 )
+from ...wire import LoraModule
 from ..protocol._errors import RemoteError
 from ._errors import WorkerDiedError
 
@@ -63,6 +65,18 @@ class Executor(abc.ABC):
 
     def wake_up(self) -> None:  # noqa: B027
         """Undo `sleep`: weights back on the device, a fresh KV cache of the same size."""
+
+    def add_lora(self, module: LoraModule) -> str:
+        """Have every rank read and check adapter `module`; return its digest (its identity
+        in the prefix cache). The null executor reads nothing: the digest names the path.
+
+        Raises:
+            LoraAdapterError: it cannot be served (rank 0's message; nothing changed).
+        """
+        return hashlib.sha256(f"{module.name}\0{module.path}".encode()).hexdigest()
+
+    def remove_lora(self, lora_id: int) -> None:  # noqa: B027
+        """Every rank forgets adapter `lora_id` for new requests; running ones keep it."""
 
     @abc.abstractmethod
     def shutdown(self) -> None:
@@ -109,6 +123,12 @@ class UniprocExecutor(Executor):
 
     def wake_up(self) -> None:
         self.worker.wake_up()
+
+    def add_lora(self, module: LoraModule) -> str:
+        return self.worker.add_lora(module)
+
+    def remove_lora(self, lora_id: int) -> None:
+        self.worker.remove_lora(lora_id)
 
     def shutdown(self) -> None:
         self.worker.shutdown()

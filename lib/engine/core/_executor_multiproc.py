@@ -33,6 +33,7 @@ import trio
 
 from ...gpu import (
     KernelChoice,
+    LoraAdapterError,
     RunnerOutput,
     RunnerOutputCodec,
     StepBatch,
@@ -42,6 +43,7 @@ from ...gpu import (
 )
 from ...gpu import worker_process as W
 from ...transport_shm import BusyError, Record, RingReader, RingWriter
+from ...wire import LoraModule
 from ..protocol._config import EngineConfig
 from ..protocol._errors import RemoteError
 from ._errors import WorkerDiedError
@@ -219,6 +221,23 @@ class MultiprocExecutor(Executor):
         """Every rank brings its weights back and allocates its KV cache again."""
         self._check_usable()
         self._on_every_rank(W.CMD_WAKE_UP, b"")
+
+    def add_lora(self, module: LoraModule) -> str:
+        """Every rank reads and checks the adapter; all must accept it (rank 0's digest)."""
+        self._check_usable()
+        self._broadcast(W.CMD_ADD_LORA, msgspec.msgpack.encode(module))
+        answers = []
+        for rank in self._ranks:
+            answers.append(msgspec.msgpack.decode(self._reply(rank, W.REPLY_LORA)))
+            rank.results.release()
+        refused = [str(why) for ok, why in answers if not ok]
+        if refused:  # a rank that accepted it keeps it known: harmless, no request names it
+            raise LoraAdapterError(refused[0])
+        return str(answers[0][1])
+
+    def remove_lora(self, lora_id: int) -> None:
+        self._check_usable()
+        self._on_every_rank(W.CMD_REMOVE_LORA, W.U64.pack(lora_id))
 
     def _on_every_rank(self, kind: int, data: bytes) -> None:
         self._broadcast(kind, data)

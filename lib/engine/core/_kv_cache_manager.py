@@ -4,7 +4,8 @@ A request's KV lives in blocks of `block_size` tokens, listed in position order.
 block is identified by a sha256 chained over everything before it, from a random root drawn
 by this manager (`_block_hash`), so equal hashes mean equal prefixes and no client can craft
 a collision. A request's `cache_salt` is mixed into its first block's hash (vLLM's scheme):
-requests with different salts, or one without, never share a block. Blocks are indexed as
+requests with different salts, or one without, never share a block; so is a LoRA adapter's
+digest (DESIGN.md §7), so no adapter reads another's KV, nor the base model's. Blocks are indexed as
 soon as their KV is computed (`cache_blocks`, after each step), so a request that arrives
 later with the same prefix shares them instead of recomputing them.
 """
@@ -171,10 +172,13 @@ class KVCacheManager:
         hashes, block_size = request.block_hashes, self.block_size
         parent = hashes[-1] if hashes else self.root_hash
         tokens = request.all_token_ids[len(hashes) * block_size : num_blocks * block_size]
-        if not hashes and request.cache_salt and len(tokens) >= block_size:
+        if not hashes and (request.cache_salt or request.lora_digest) and len(tokens) >= block_size:
             # The salt goes into the first block only, as vLLM's: every later hash chains
-            # from it, so the whole prefix is the salt's tenant's alone.
-            salt = request.cache_salt.encode()
-            hashes.append(hash_block_tokens(parent, tokens[:block_size], salt))
+            # from it, so the whole prefix is the salt's tenant's alone. An adapter's digest
+            # follows a 0xff byte, which UTF-8 never holds: no salt reads as an adapter.
+            extra = request.cache_salt.encode()
+            if request.lora_digest:
+                extra += b"\xff" + request.lora_digest
+            hashes.append(hash_block_tokens(parent, tokens[:block_size], extra))
             parent, tokens = hashes[-1], tokens[block_size:]
         hashes.extend(hash_blocks(parent, tokens, block_size))

@@ -48,6 +48,10 @@ class Request:
     # The prompt as float32 embeddings [prompt tokens, hidden] (b"": none); its token ids are
     # placeholders, so it neither reads nor fills the prefix cache.
     prompt_embeds: bytes = b""
+    # The LoRA adapter (0: the base model) and its digest (sha256 of its files), which names
+    # its KV in the prefix cache: no other adapter's request, nor the base's, shares a block.
+    lora_id: int = 0
+    lora_digest: bytes = b""
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in this request's blocks
     num_cached_tokens: int = 0  # prefix-cache hits when first scheduled

@@ -53,6 +53,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int  # tokens computed per step, over all requests
     max_model_len: int  # prompt plus outputs, per request
     enable_prefix_caching: bool = True
+    # Distinct LoRA adapters the running requests may hold (the worker's device slots).
+    max_loras: int = 1
     hidden_size: int = 0  # a prompt embedding's width (0: prompt embeddings unchecked)
 
     def __post_init__(self) -> None:
@@ -274,6 +276,8 @@ class Scheduler:
         # After a preemption blocks are short: admitting more would only preempt again.
         while not preempted and self.waiting and budget > 0 and len(running) < config.max_num_seqs:
             request = self.waiting[0]
+            if request.lora_id and not self._adapter_fits(request.lora_id):
+                break  # FCFS: it waits until an adapter's last running request ends
             hits, num_hit_tokens = (
                 ([], 0) if _needs_every_position(request) else kv.get_computed_blocks(request)
             )
@@ -295,6 +299,7 @@ class Scheduler:
                     request.options,
                     list(request.output_token_ids),
                     request.prompt_embeds,
+                    request.lora_id,
                 )
             )
             rnums.append(request.rnum)
@@ -317,6 +322,12 @@ class Scheduler:
         self._finished_rnums = []
         self._step += 1
         return batch
+
+    def _adapter_fits(self, lora_id: int) -> bool:
+        """Whether a request of adapter `lora_id` may run beside the running ones: its
+        adapter is among theirs, or they hold fewer than `max_loras` (a step's slots)."""
+        active = {r.lora_id for r in self.running if r.lora_id}
+        return lora_id in active or len(active) < self.config.max_loras
 
     def preempt(self, request: Request) -> None:
         """Free a running request's blocks and requeue it first; its outputs are kept, its

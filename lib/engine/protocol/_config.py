@@ -7,6 +7,7 @@ import msgspec
 
 from ...config import Flag, Option, WorkerConfig, options_of
 from ...transport_shm import RingAddress
+from ...wire import LoraModule, parse_lora_module
 
 EXECUTORS = ("auto", "uni", "multiproc", "null")
 
@@ -56,6 +57,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Which of the frontend's data-parallel engines this is (None: the only one); it names
     # the process (`trillm::engine_<i>`) and its profiler traces.
     data_parallel_rank: int | None = None
+    # LoRA adapters loaded at start-up (`--lora-modules`; ids 0 are numbered by position,
+    # `numbered`); a bad one fails the start, naming it. Needs `worker.enable_lora`.
+    lora_modules: tuple[LoraModule, ...] = ()
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
@@ -68,6 +72,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise EngineConfigError(
                 f"structured_outputs_timeout must be > 0, got {self.structured_outputs_timeout}"
             )
+        if self.lora_modules and not self.worker.enable_lora:
+            raise EngineConfigError("--lora-modules needs --enable-lora")
         if self.executor == "uni" and self.tensor_parallel_size > 1:
             raise EngineConfigError("the uni executor runs one rank: use executor='multiproc'")
         self._check_nodes()
@@ -139,6 +145,14 @@ ENGINE_FLAGS = {
         ("--distributed-timeout",), "seconds for every node to join before start-up fails"
     ),
     "enable_prefix_caching": Flag(("--enable-prefix-caching",)),
+    "lora_modules": Flag(
+        ("--lora-modules",),
+        "LoRA adapters to serve, each name=path (a PEFT directory) or JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; requests name one as model',
+        metavar="SPEC",
+        many=True,
+        parse=parse_lora_module,
+    ),
     "executor": Flag(
         ("--executor",),
         "null: no model, deterministic tokens (for host-overhead benchmarks)",

@@ -48,7 +48,8 @@ HEARTBEAT_INTERVAL: Final = 0.1  # seconds between the engine's beats
 MIN_WATCHDOG_TIMEOUT: Final = 5 * HEARTBEAT_INTERVAL  # a shorter one would fire on jitter
 
 # The engine's control calls (`EngineCore._utility`); the frontend refuses any other name.
-# sleep: args [level 1|2]; start_profile: args [directory, file name prefix].
+# sleep: args [level 1|2]; start_profile: args [directory, file name prefix];
+# load_lora_adapter: args [name, path, base_model_name, id]; unload_lora_adapter: args [id].
 UTILITY_METHODS: Final = frozenset(
     {
         "reset_prefix_cache",
@@ -62,6 +63,8 @@ UTILITY_METHODS: Final = frozenset(
         "is_paused",
         "start_profile",
         "stop_profile",
+        "load_lora_adapter",
+        "unload_lora_adapter",
     }
 )
 
@@ -83,6 +86,8 @@ class AddHeader(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, f
     # The prompt as embeddings (vLLM's prompt_embeds, `--enable-prompt-embeds`): float32
     # little-endian [prompt tokens, hidden size]; the prompt's token ids are placeholders.
     prompt_embeds: bytes = b""
+    # The LoRA adapter's id (`LoraModule.lora_int_id`; 0: the base model).
+    lora_id: int = 0
 
 
 class UtilityCall(msgspec.Struct, array_like=True, gc=False, frozen=True):

@@ -1,0 +1,77 @@
+"""The engine's LoRA adapters: id -> (module, digest), loaded on every rank through the executor.
+
+The frontend knows adapters by name and sends their integer id with each request
+(`AddHeader.lora_id`); the engine keeps, per id, the digest of the adapter's files, which the
+prefix cache mixes into a request's block hashes, so one adapter never reads another's KV.
+Loading (at start-up from `EngineConfig.lora_modules`, or at run time by the
+`load_lora_adapter` utility) has every rank read and check the adapter first: a bad one is
+refused with the worker's message and changes nothing. Unloading forgets the id for new
+requests; the workers keep its weights until the requests running with it end.
+"""
+
+from __future__ import annotations
+
+from ...gpu import LoraAdapterError
+from ...wire import LoraModule
+from ._executor import Executor
+
+
+class LoraRegistryError(ValueError):
+    """A load or unload refused: LoRA off, a name or id in use, an unknown id, a bad adapter."""
+
+
+class LoraRegistry:
+    """The adapters this engine serves, by id."""
+
+    def __init__(self, executor: Executor, *, enabled: bool) -> None:
+        self.executor = executor
+        self.enabled = enabled
+        self.modules: dict[int, LoraModule] = {}
+        self.digests: dict[int, bytes] = {}
+
+    def load(self, module: LoraModule) -> int:
+        """Load `module` on every rank; return its id.
+
+        Raises:
+            LoraRegistryError: LoRA is off, its name or id is taken, or the adapter is bad.
+        """
+        if not self.enabled:
+            raise LoraRegistryError(
+                f"LoRA adapter {module.name!r}: LoRA is off: start the server with --enable-lora"
+            )
+        if module.lora_int_id < 1:
+            raise LoraRegistryError(f"LoRA adapter ids start at 1, got {module.lora_int_id}")
+        for other in self.modules.values():
+            if other.name == module.name or other.lora_int_id == module.lora_int_id:
+                raise LoraRegistryError(
+                    f"LoRA adapter {module.name!r} (id {module.lora_int_id}) is loaded already "
+                    f"(as {other.name!r}, id {other.lora_int_id}): unload it first"
+                )
+        try:
+            digest = self.executor.add_lora(module)
+        except LoraAdapterError as exc:
+            raise LoraRegistryError(str(exc)) from None
+        self.modules[module.lora_int_id] = module
+        self.digests[module.lora_int_id] = bytes.fromhex(digest)
+        return module.lora_int_id
+
+    def unload(self, lora_id: int) -> str:
+        """Forget adapter `lora_id` for new requests; return its name.
+
+        Raises:
+            LoraRegistryError: no adapter has that id.
+        """
+        module = self.modules.pop(lora_id, None)
+        if module is None:
+            raise LoraRegistryError(f"no LoRA adapter with id {lora_id} is loaded")
+        del self.digests[lora_id]
+        self.executor.remove_lora(lora_id)
+        return module.name
+
+    def digest_of(self, lora_id: int) -> bytes:
+        """The prefix-cache identity of adapter `lora_id` (b"" for the base model, id 0).
+
+        Raises:
+            KeyError: no adapter has that id (unloaded before the request arrived).
+        """
+        return self.digests[lora_id] if lora_id else b""
