@@ -41,6 +41,7 @@ from ._errors import (
 from ._generate import Generation
 from ._metrics import Metrics
 from ._offload import default_threads
+from ._lora_routes import LoraRoutes
 from ._pooling_api import PoolingAPI
 from ._rank import pinned_rank
 from ._responses_api import ResponsesAPI, ResponsesRequest
@@ -98,6 +99,9 @@ class ServeConfig:
     profiler_dir: str | None = None  # where /start_profile's traces go
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     responses_store_size: int = 1024  # responses kept for GET and previous_response_id (LRU)
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's environment variable
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING, as a flag).
+    enable_runtime_lora_updating: bool = False
 
 
 class App:
@@ -128,6 +132,9 @@ class App:
         self.responses = ResponsesAPI(self.generation, ResponseStore(config.responses_store_size))
         self.messages = MessagesAPI(self.generation)
         self._routes.update(PoolingAPI(self, config.served_model_name).routes())
+        if config.enable_runtime_lora_updating:
+            lora = LoraRoutes(llm, self._read_body, self._decode, self._respond)
+            self._routes.update(lora.routes())
         self.dev: DevEndpoints | None = None
         if config.enable_dev_endpoints:
             self.dev = DevEndpoints(llm, config.profiler_dir)
@@ -247,9 +254,9 @@ class App:
         await self._respond(send, 200, version_response(__version__, info), extra)
 
     async def _models(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
-        body = models_response(
-            [self.config.served_model_name], max_model_len=self.llm.max_model_len
-        )
+        served = self.config.served_model_name
+        adapters = [(m.name, m.path, m.base_model_name or served) for m in self.llm.loras.modules()]
+        body = models_response([served], max_model_len=self.llm.max_model_len, adapters=adapters)
         await self._respond(send, 200, body, extra)
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
@@ -386,6 +393,8 @@ class App:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.served_model_name:
+            if model in self.llm.loras:
+                return
             raise not_found(
                 f"model {model!r} (this server serves {self.config.served_model_name!r})"
             )

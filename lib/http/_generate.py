@@ -91,8 +91,10 @@ class Generation:
         params, _ = await self.inputs.sampling_params(request)
         prompts = await self.inputs.completion_prompts(request)
         held.grow(len(prompts) * params.n, what=f"{len(prompts)} prompts x n {params.n}")
-        rank = request.data_parallel_rank
-        prepared = await self.inputs.prompts(prompts, params, data_parallel_rank=rank)
+        rank, lora = request.data_parallel_rank, self.adapter_of(request.model)
+        prepared = await self.inputs.prompts(
+            prompts, params, data_parallel_rank=rank, lora_name=lora
+        )
         echo = await self.inputs.echo(prepared, request)
         if request.stream:
             await self._stream(prepared, request, "completion", receive, send, extra, echo)
@@ -144,8 +146,10 @@ class Generation:
         prompt = await self.inputs.chat_prompt(
             request.messages, functions, tool_prompt, variables=variables
         )
-        rank = request.data_parallel_rank
-        prepared = await self.inputs.prompts([prompt], params, data_parallel_rank=rank)
+        rank, lora = request.data_parallel_rank, self.adapter_of(request.model)
+        prepared = await self.inputs.prompts(
+            [prompt], params, data_parallel_rank=rank, lora_name=lora
+        )
         names = {f["name"] for f in functions} or None
         reasoning = self.llm.config.reasoning_parser  # the constraint's too: one setting
         parser = partial(
@@ -195,7 +199,7 @@ class Generation:
         outputs = [o for per_prompt in results for o in per_prompt]
         if kind == "completion":
             body = S.completion_response(
-                S.ResponseMeta.completion(self.config.served_model_name),
+                S.ResponseMeta.completion(self.model_name(request.model)),
                 outputs,
                 n=params.n,
                 token_text=self._token_text(request),
@@ -204,7 +208,7 @@ class Generation:
             )
         else:
             body = S.chat_completion_response(
-                S.ResponseMeta.chat(self.config.served_model_name),
+                S.ResponseMeta.chat(self.model_name(request.model)),
                 outputs,
                 n=params.n,
                 token_text=self._token_text(request),
@@ -247,7 +251,7 @@ class Generation:
         echo: list[S.EchoPrompt] | None = None,
         parser: Callable[[], ChatOutputParser] | None = None,
     ) -> None:
-        model = self.config.served_model_name
+        model = self.model_name(request.model)
         params = prompts[0].params
         chunker = S.StreamChunker(
             S.ResponseMeta.completion(model)
@@ -332,6 +336,14 @@ class Generation:
             self.metrics.count_aborted(params.n - finished)
 
     # -- shared --------------------------------------------------------------------------
+
+    def adapter_of(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model)."""
+        return model if model is not None and model in self.llm.loras else None
+
+    def model_name(self, model: str | None) -> str:
+        """The `model` a response names: the adapter asked for, or the served model."""
+        return self.adapter_of(model) or self.config.served_model_name
 
     def running(self, receive: Receive) -> RequestScope:
         return RequestScope(self, receive)

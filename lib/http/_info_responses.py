@@ -16,6 +16,8 @@ class ModelCard(msgspec.Struct):
     max_model_len: int
     object: str = "model"
     owned_by: str = "trillm"
+    root: str | None = None  # a LoRA adapter's directory (vLLM's)
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(msgspec.Struct):
@@ -39,11 +41,20 @@ class VersionResponse(msgspec.Struct, omit_defaults=True):
 
 
 def models_response(
-    model_ids: Iterable[str], *, max_model_len: int, created: int | None = None
+    model_ids: Iterable[str],
+    *,
+    max_model_len: int,
+    created: int | None = None,
+    adapters: Iterable[tuple[str, str, str]] = (),
 ) -> bytes:
-    """`GET /v1/models`: every served model name (`created`: now unless given)."""
+    """`GET /v1/models`: every served model name (`created`: now unless given), then each
+    LoRA adapter (name, directory, base model) with its `root` and `parent`, as vLLM's."""
     created = int(time.time()) if created is None else created
     cards = [ModelCard(name, created, max_model_len) for name in model_ids]
+    cards += [
+        ModelCard(name, created, max_model_len, root=root, parent=parent)
+        for name, root, parent in adapters
+    ]
     return _encoder.encode(ModelList(cards))
 
 

@@ -85,11 +85,12 @@ class Inputs:
         params: SamplingParams,
         *,
         data_parallel_rank: int | None = None,
+        lora_name: str | None = None,
     ) -> list[PreparedRequest]:
         """Every prompt checked whole now (`AsyncLLM.prepare`: tokenised, length-checked, its
         constraint compiled), so a bad one is a 400, not a broken stream (the response has
         not started yet); what `generate` then sends without checking again, to the engine
-        `data_parallel_rank` when given.
+        `data_parallel_rank` when given, with LoRA adapter `lora_name` (None: the base).
 
         Raises:
             InvalidPromptError, PromptTooLongError, StructuredOutputError: (400s, by
@@ -101,7 +102,9 @@ class Inputs:
             # (checking embeddings is cheap: what is large was done decoding them)
             size = 0 if isinstance(prompt, PromptEmbeds) else len(prompt)
             run = partial(self.offload.run, size)
-            checked = await self.llm.prepare(prompt, params, run=run, data_parallel_rank=rank)
+            checked = await self.llm.prepare(
+                prompt, params, run=run, data_parallel_rank=rank, lora_name=lora_name
+            )
             prepared.append(checked)
         return prepared
 

@@ -125,6 +125,11 @@ SERVE_FLAGS = {
         "report usage.prompt_tokens_details.cached_tokens (prompt tokens found in the prefix "
         "cache); off, it is null: the count tells a client what others sent before",
     ),
+    "enable_runtime_lora_updating": Flag(
+        ("--enable-runtime-lora-updating",),
+        "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING); needs --enable-lora",
+    ),
     "responses_store_size": Flag(
         ("--responses-store-size",),
         "responses the Responses API keeps in memory for GET /v1/responses/{id} and "

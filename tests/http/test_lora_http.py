@@ -1,0 +1,103 @@
+"""LoRA over HTTP: `model` names an adapter, /v1/models lists it with its parent, and the
+runtime routes (behind --enable-runtime-lora-updating) load and unload; a bad adapter is a
+400 naming why, and the server serves on."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import transformers
+
+from ..gpu.lora_adapters import edit_config, make_adapter, merged_greedy
+from .conftest import Server, start_server
+
+pytestmark = pytest.mark.timeout(300)
+PROMPT = list(range(100, 121))
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("http-adapters")
+    return {
+        "sql": make_adapter(tiny_model, root / "sql", seed=1),
+        "chat": make_adapter(tiny_model, root / "chat", seed=2, r=16),
+    }
+
+
+@pytest.fixture(scope="module")
+def lora_server(tiny_model: Path, adapters: dict[str, Path]) -> Iterator[Server]:
+    server = start_server(
+        tiny_model,
+        "--enable-lora",
+        "--max-loras", "2",
+        "--lora-modules", f"sql={adapters['sql']}",
+        "--enable-runtime-lora-updating",
+    )  # fmt: skip
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def complete(server: Server, model: str) -> httpx.Response:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    return httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+
+
+def test_requests_pick_an_adapter_by_model_and_models_lists_it(
+    lora_server: Server, tiny_model: Path, adapters: dict[str, Path]
+) -> None:
+    models = httpx.get(f"{lora_server.base_url}/v1/models").json()["data"]
+    cards = {card["id"]: card for card in models}
+    assert cards["sql"]["parent"] == models[0]["id"]  # the served model
+    assert cards["sql"]["root"] == str(adapters["sql"])
+    got = complete(lora_server, "sql").json()["choices"][0]["text"]
+    want = merged_greedy(tiny_model, adapters["sql"], PROMPT, 6)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model)
+    assert got == tokenizer.decode(want)
+    assert complete(lora_server, "nope").status_code == 404
+
+
+def test_runtime_load_and_unload(
+    lora_server: Server, tiny_model: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    url = lora_server.base_url
+    loaded = httpx.post(
+        f"{url}/v1/load_lora_adapter",
+        json={"lora_name": "chat", "lora_path": str(adapters["chat"])},
+        timeout=60,
+    )
+    assert loaded.status_code == 200, loaded.text
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model)
+    want = tokenizer.decode(merged_greedy(tiny_model, adapters["chat"], PROMPT, 6))
+    assert complete(lora_server, "chat").json()["choices"][0]["text"] == want
+    again = httpx.post(
+        f"{url}/v1/load_lora_adapter",
+        json={"lora_name": "chat", "lora_path": str(adapters["chat"])},
+    )
+    assert again.status_code == 400 and "loaded already" in again.text
+    bad = make_adapter(tiny_model, tmp_path / "bad", seed=3)
+    edit_config(bad, target_modules=["lm_head"])
+    refused = httpx.post(
+        f"{url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(bad)}
+    )
+    assert refused.status_code == 400
+    assert (
+        "LoRA adapter 'bad': unsupported target modules ['lm_head']"
+        in refused.json()["error"]["message"]
+    )
+    (bad / "adapter_model.safetensors").rename(bad / "adapter_model.bin")
+    refused = httpx.post(
+        f"{url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(bad)}
+    )
+    assert refused.status_code == 400 and "convert it to" in refused.text
+    unloaded = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "chat"})
+    assert unloaded.status_code == 200, unloaded.text
+    assert complete(lora_server, "chat").status_code == 404
+    assert (
+        httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "chat"}).status_code == 404
+    )
+    assert complete(lora_server, "sql").status_code == 200  # serving on
