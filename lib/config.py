@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from .speculative import SpeculativeConfig, parse_speculative_config
+
 if TYPE_CHECKING:
     import torch
 
@@ -226,6 +228,19 @@ class WorkerConfig:
             help="LoRA adapters kept in host memory, LRU (default: --max-loras)",
         ),
     )
+    # Speculative decoding (`trillm.speculative`): JSON with vLLM's field names, parsed and
+    # checked here, at the edge; None: off.
+    speculative_config: str | None = field(
+        default=None,
+        metadata=flag(
+            "--speculative-config",
+            metavar="JSON",
+            help='speculative decoding, vLLM\'s fields: {"method": "ngram", '
+            '"num_speculative_tokens": K, "prompt_lookup_min": A, "prompt_lookup_max": B} or '
+            '{"method": "draft_model", "model": PATH, "num_speculative_tokens": K}; '
+            '"disable_by_batch_size": N turns it off in steps where more requests run',
+        ),
+    )
     # Test hook: "forward:RANK:STEP" raises InjectedFault inside the model's forward on that
     # rank at that step (counting from 0), so death reporting can be tested end to end;
     # "token:RANK:ID" raises it in every step whose input holds token ID (a poison request).
@@ -275,6 +290,7 @@ class WorkerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
             if getattr(self, name) <= 0:
                 raise WorkerConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        self.speculative()  # SpeculativeConfigError naming the field, at start-up
         self._check_lora()
 
     def _check_lora(self) -> None:
@@ -294,6 +310,14 @@ class WorkerConfig:
     def num_cpu_loras(self) -> int:
         """Adapters kept in host memory (`max_cpu_loras`, default `max_loras`)."""
         return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed `speculative_config` (None: off).
+
+        Raises:
+            SpeculativeConfigError: it is not valid; the message names the field.
+        """
+        return parse_speculative_config(self.speculative_config)
 
     def device_name(self) -> str:
         """`device` with "auto" resolved as the worker will resolve it: "cuda" when the driver

@@ -162,10 +162,13 @@ class CpuStep:
         slots: np.ndarray,
         context_lens: np.ndarray,
         block_table: np.ndarray,
+        *,
+        store_first: bool = False,
     ) -> torch.Tensor:
         """Final-normed hidden states [M, hidden] (model dtype) of M decode tokens, written
         into the bound KV cache. `block_table` [M, width] int32 (C order) lists each
-        sequence's blocks."""
+        sequence's blocks. `store_first`: rows share blocks and read each other's new K/V (a
+        speculative verify step, one row per token: `expand_verify_rows`)."""
         m = len(positions)
         if m > self.hidden.shape[0]:  # the scratch was sized for the build's max_batch
             raise ValueError(f"{m} decodes, more than the {self.hidden.shape[0]} built for")
@@ -194,6 +197,7 @@ class CpuStep:
             context_lens.ctypes.data_as(ctypes.c_void_p),
             ctypes.c_void_p(self.scratch.data_ptr()),
             self.threads,
+            int(store_first),
         )
         return self.out[:m].to(self.dtype, copy=True)
 

@@ -4,7 +4,8 @@ What exists is fixed when the model is built: CUDA graphs (`DecodeGraphs`, on CU
 C step (`CpuStep`, on CPU). A step then takes, by its shape:
 
 - `Path.GRAPH`: decodes only (one token per sequence), as many as a captured graph takes;
-- `Path.C_STEP`: decodes only, as many as the C step's `max_batch`, one C call;
+- `Path.C_STEP`: decodes only, as many as the C step's `max_batch`, one C call; or a
+  speculative verify step of few tokens, a row per token (`expand_verify_rows`);
 - `Path.C_ATTENTION`: any other step the C step attends (no prompt's context past
   `PROMPT_CONTEXT_MAX`): the torch forward with C's attention in each layer;
 - `Path.EAGER`: the rest, the torch forward with the configured attention backend.
@@ -19,6 +20,8 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ..config import WorkerConfig
 
 if TYPE_CHECKING:
@@ -26,6 +29,19 @@ if TYPE_CHECKING:
     from ._cuda_graphs import DecodeGraphs
     from ._input_batch import StepInputs
     from .models.llama import LlamaForCausalLM
+
+
+# A verify step (speculative decoding) of up to this many tokens runs the C step, a row per
+# token, rather than the torch forward with oneDNN's linears: MEASURED_NOTE.
+VERIFY_C_STEP_MAX = 64
+
+
+def expand_verify_rows(
+    counts: np.ndarray, positions: np.ndarray, table: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """A step's sequences as one row per token, for the C step (which takes one token per
+    row): each token's context (up to its own position) and its sequence's block table row."""
+    return (positions + 1).astype(np.int64), np.repeat(table, counts, axis=0)
 
 
 class Path(enum.Enum):
@@ -43,17 +59,22 @@ def choose_path(
     cpu_step: CpuStep | None,
     *,
     fault: bool = False,
+    verify: bool = False,
 ) -> Path:
     """The path of the step of `inputs`, given the graphs and the C step built (None: not
-    built, or dropped by a sleep); `fault`: the step must run the torch forward."""
+    built, or dropped by a sleep); `fault`: the step must run the torch forward; `verify`:
+    the step's multi-token rows verify speculative drafts (a few tokens each)."""
     num_seqs = len(inputs.rows)
-    decodes = len(inputs.input_ids) == num_seqs  # one token each
+    num_tokens = len(inputs.input_ids)
+    decodes = num_tokens == num_seqs  # one token each
     if graphs is not None and decodes and not fault and graphs.size_for(num_seqs) is not None:
         return Path.GRAPH
     if cpu_step is None or not cpu_step.attends(inputs.counts, inputs.context_lens):
         return Path.EAGER
     if decodes and not fault and cpu_step.covers(num_seqs):
         return Path.C_STEP
+    if verify and not fault and num_tokens <= VERIFY_C_STEP_MAX and cpu_step.covers(num_tokens):
+        return Path.C_STEP  # a row per token (`expand_verify_rows`)
     return Path.C_ATTENTION  # prompts, or more decodes than the C step takes
 
 

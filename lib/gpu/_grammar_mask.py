@@ -33,7 +33,8 @@ def apply_grammar_bitmask(
     logits: torch.Tensor, rnums: np.ndarray, grammar_rnums: np.ndarray, bitmask: np.ndarray
 ) -> None:
     """Mask, in place, the rows of `logits` (one per entry of `rnums`) named in
-    `grammar_rnums`, with `bitmask`'s rows in the same order as `grammar_rnums`.
+    `grammar_rnums`, with `bitmask`'s rows in the same order as `grammar_rnums` (an rnum
+    named m times: its first m logits rows, a speculative row's positions).
 
     The bits are unpacked inverted (a set bit: disallowed) straight into a bool mask, one
     pass, and filled in place: measured at B=256 over SmolLM2's 49,152 ids, the gather, fill
@@ -48,8 +49,18 @@ def apply_grammar_bitmask(
     if len(grammar_rnums) == len(rnums) and (grammar_rnums == rnums).all():
         logits.masked_fill_(mask, float("-inf"))  # every row, in order: no gather
         return
-    row_of = {rnum: i for i, rnum in enumerate(rnums.tolist())}
-    index = torch.tensor([row_of[r] for r in grammar_rnums.tolist()], device=logits.device)
+    # A speculative row samples several positions: its rnum repeats in `rnums` (its logits
+    # rows, consecutive) and in `grammar_rnums` (its bitmask rows, the same positions).
+    row_of: dict[int, int] = {}
+    for i, rnum in enumerate(rnums.tolist()):
+        row_of.setdefault(rnum, i)
+    taken: dict[int, int] = {}
+    rows_index = []
+    for rnum in grammar_rnums.tolist():
+        j = taken.get(rnum, 0)
+        rows_index.append(row_of[rnum] + j)
+        taken[rnum] = j + 1
+    index = torch.tensor(rows_index, device=logits.device)
     rows = logits.index_select(0, index)
     rows.masked_fill_(mask, float("-inf"))
     logits.index_copy_(0, index, rows)

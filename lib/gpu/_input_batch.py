@@ -87,6 +87,17 @@ class InputBatch:
         self.token_ids[rows, ends] = token_ids
         self.num_tokens[rows] = ends + 1
 
+    def append_token_runs(self, rows: np.ndarray, offsets: np.ndarray, tokens: np.ndarray) -> None:
+        """Append `tokens[offsets[i]:offsets[i + 1]]` to row `rows[i]` (a verify step's
+        accepted drafts and the token after them)."""
+        for i, row in enumerate(rows.tolist()):
+            start, end = int(offsets[i]), int(offsets[i + 1])
+            n = int(self.num_tokens[row])
+            if n + end - start > self.max_model_len:
+                raise CapacityError(f"a request grew past max_model_len {self.max_model_len}")
+            self.token_ids[row, n : n + end - start] = tokens[start:end]
+            self.num_tokens[row] = n + end - start
+
     def prepare(self, rnums: np.ndarray, counts: np.ndarray) -> StepInputs:
         """Flatten the scheduled requests' tokens; advances nothing (see `advance`)."""
         rows = np.fromiter((self.row_of[int(r)] for r in rnums), np.int64, len(rnums))

@@ -30,18 +30,21 @@ from ._config import quantization_for, torch_dtype
 from ._cpu_decode import CpuStep, build_cpu_step
 from ._cpu_linear import CpuFeatures
 from ._cuda_graphs import DecodeGraphs
-from ._forward import FaultHook, Path, choose_path
+from ._draft_model import DraftModel
+from ._forward import FaultHook, Path, choose_path, expand_verify_rows
 from ._grammar_mask import apply_grammar_bitmask, step_bitmask
 from ._input_batch import InputBatch, StepInputs
 from ._kernels import choose_kernels
 from ._lora import LoraManager
 from ._lora_weights import LoraAdapterError
 from ._model_config import ModelConfig
+from ._ngram import propose_rows
 from ._parallel import TensorParallel
 from ._pooler import Pooler
 from ._prompt_embeds import Embeds, PromptEmbeds
 from ._sampler import Sampler, SamplerOutput, compute_logprobs
 from ._sampling_batch import RequestSamplingState, SamplingBatch
+from ._speculator import StepDrafts
 from ._startup_log import StartupLog
 from ._step_batch import PromptLogprobs, RunnerOutput, StepBatch
 from ._weights import Weights
@@ -84,6 +87,8 @@ class ModelRunner:
         self.kernels: KernelChoice | None = None  # chosen by load_model
         self._cpu_features = cpu_features
         self.faults = FaultHook(config, tp.rank)
+        self.speculative = config.speculative()
+        self.drafter: DraftModel | None = None  # a draft model's proposer (made by load_model)
         eos = model_config.eos_token_ids
         self.eos_token_id = eos[0] if eos else None
 
@@ -139,13 +144,25 @@ class ModelRunner:
             with log.phase("linears packed for oneDNN"):
                 model.pack_linears()
         self.model = model.eval()
+        spec = self.speculative
+        if spec is not None and spec.model is not None:
+            with log.phase("draft model loaded"):
+                self.drafter = DraftModel.load(
+                    self.config,
+                    spec.model,
+                    self.tp,
+                    self.device,
+                    self.inputs,
+                    self.model_config.vocab_size,
+                )
 
     def kv_bytes_per_block(self) -> int:
         """Bytes one KV block takes on this rank, over every layer (K and V)."""
         cfg = self.model_config
         heads = self.tp.split(cfg.num_kv_heads, "num_key_value_heads")
         element = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * cfg.num_layers * self.block_size * heads * cfg.head_dim * element
+        draft = 0 if self.drafter is None else self.drafter.kv_bytes_per_block()
+        return 2 * cfg.num_layers * self.block_size * heads * cfg.head_dim * element + draft
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate `num_blocks` blocks of K and V per layer."""
@@ -163,6 +180,8 @@ class ModelRunner:
                 for _ in range(cfg.num_layers)
             ]
         )
+        if self.drafter is not None:
+            self.drafter.init_kv_cache(num_blocks)
 
     def bind_kv_cache(self, kv_caches: list[KVCache]) -> None:
         """Make `kv_caches` the cache the steps run over (the C step's too; [] unbinds it)."""
@@ -177,6 +196,8 @@ class ModelRunner:
         weights'); return its size in blocks (0: there was none), for `Worker.wake_up`."""
         num_blocks = int(self.kv_caches[0][0].shape[0]) if self.kv_caches else 0
         self.graphs = None
+        if self.drafter is not None:
+            self.drafter.free_kv_cache()
         self.bind_kv_cache([])
         return num_blocks
 
@@ -232,6 +253,9 @@ class ModelRunner:
         if self.model is None or not self.kv_caches:
             raise RuntimeError("execute() before load_model() and init_kv_cache()")
         self._update_requests(batch)
+        drafts = StepDrafts.of(batch)  # speculative decoding: the drafts this step verifies
+        if drafts is not None:
+            drafts.write(self.inputs, batch.scheduled_rnums)
         inputs = (
             self.inputs.prepare(batch.scheduled_rnums, batch.num_scheduled_tokens)
             if len(batch.scheduled_rnums)
@@ -249,7 +273,9 @@ class ModelRunner:
             self._log_lora_fallback()
         # Graphs and the C step read token ids, and add no adapter delta.
         torch_only = fault or embeds is not None or adapted
-        path = choose_path(inputs, self.graphs, self.cpu_step, fault=torch_only)
+        path = choose_path(
+            inputs, self.graphs, self.cpu_step, fault=torch_only, verify=drafts is not None
+        )
         hidden = self._forward(path, inputs, embeds)
         prompt_logprobs = self._prompt_logprobs(batch, inputs, hidden)
         self.inputs.advance(inputs)
@@ -270,15 +296,93 @@ class ModelRunner:
                 pooled=pooled,
             )
         last = inputs.token_starts[sampling] + inputs.counts[sampling] - 1
-        logits = (self.cpu_step or self.model).compute_logits(hidden[self._tensor(last)])
-        if len(batch.grammar_rnums):
-            bitmask = step_bitmask(batch, masks)
-            apply_grammar_bitmask(logits, rnums, batch.grammar_rnums, bitmask)
         states = [self.sampling[int(r)] for r in rnums]
-        sampled = self.sampler(logits, self._sampling_batch(states))
-        output = self._finish(inputs, sampling, rnums, states, sampled, prompt_logprobs)
+        if drafts is not None:
+            output = self._verify(batch, masks, drafts, inputs, hidden, sampling, states)
+            output.prompt_logprobs = prompt_logprobs
+        else:
+            logits = (self.cpu_step or self.model).compute_logits(hidden[self._tensor(last)])
+            if len(batch.grammar_rnums):
+                bitmask = step_bitmask(batch, masks)
+                apply_grammar_bitmask(logits, rnums, batch.grammar_rnums, bitmask)
+            sampled = self.sampler(logits, self._sampling_batch(states))
+            output = self._finish(inputs, sampling, rnums, states, sampled, prompt_logprobs)
+        if batch.num_speculative_tokens:
+            output.draft_offsets, output.draft_token_ids = self._propose(
+                batch.num_speculative_tokens, inputs.rows[sampling]
+            )
         output.pooled_rnums, output.pooled = pooled_rnums, pooled
         return output
+
+    def _verify(
+        self,
+        batch: StepBatch,
+        masks: Callable[[], np.ndarray] | None,
+        drafts: StepDrafts,
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+        sampling: np.ndarray,
+        states: list[RequestSamplingState],
+    ) -> RunnerOutput:
+        """Sample every position of the rows with drafts and keep what they accept
+        (`_speculator`); the others sample their one position as usual."""
+        rnums = batch.scheduled_rnums[sampling]
+        last = inputs.token_starts[sampling] + inputs.counts[sampling] - 1
+        index = drafts.logit_index(sampling, last)
+        assert self.model is not None
+        logits = (self.cpu_step or self.model).compute_logits(hidden[self._tensor(index)])
+        positions = drafts.positions(sampling)
+        if len(batch.grammar_rnums):
+            per_rnum = dict(zip(rnums.tolist(), positions.tolist(), strict=True))
+            grammar = batch.grammar_rnums
+            grammar = np.repeat(grammar, [per_rnum[r] for r in grammar.tolist()])
+            apply_grammar_bitmask(
+                logits, np.repeat(rnums, positions), grammar, step_bitmask(batch, masks)
+            )
+        seeded = drafts.seeded_states(sampling, states)
+        positioned = drafts.position_states(sampling, states)
+        sampled = self.sampler(logits, self._sampling_batch(positioned))
+        token_ids, logprobs, topk_ids, topk_logprobs = _to_host(
+            sampled.token_ids.to(torch.int32),
+            sampled.logprobs,
+            sampled.topk_ids,
+            sampled.topk_logprobs,
+        )
+        assert token_ids is not None
+        accepted = drafts.accept(sampling, token_ids, seeded, int(logits.shape[1]))
+        keep = accepted.token_index
+        rows = inputs.rows[sampling]
+        # The rejected drafts' KV is not computed: the scheduler rolls it back too.
+        self.inputs.num_computed[rows] -= positions - 1 - accepted.num_accepted
+        tokens = token_ids[keep]
+        self.inputs.append_token_runs(rows, accepted.token_offsets, tokens)
+        offsets = accepted.token_offsets.tolist()
+        for i, state in enumerate(states):
+            state.output_token_ids.extend(tokens[offsets[i] : offsets[i + 1]].tolist())
+        return RunnerOutput(
+            rnums,
+            tokens,
+            logprobs=None if logprobs is None else logprobs[keep],
+            topk_ids=None if topk_ids is None else topk_ids[keep],
+            topk_logprobs=None if topk_logprobs is None else topk_logprobs[keep],
+            token_offsets=accepted.token_offsets,
+        )
+
+    def _propose(self, k: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each of `rows`' drafts for the next step (at most k; offsets and tokens)."""
+        spec = self.speculative
+        if spec is None:
+            raise RuntimeError("a step asked for drafts, but speculative decoding is off")
+        if self.drafter is not None:
+            return self.drafter.propose(self.inputs, rows, k)
+        return propose_rows(
+            self.inputs.token_ids,
+            self.inputs.num_tokens,
+            rows,
+            k,
+            min_n=spec.prompt_lookup_min,
+            max_n=spec.prompt_lookup_max,
+        )
 
     def _forward(self, path: Path, inputs: StepInputs, embeds: Embeds | None) -> torch.Tensor:
         """Hidden states of the step's tokens, by `path` (`choose_path`)."""
@@ -286,6 +390,11 @@ class ModelRunner:
         if path is Path.C_STEP:
             assert self.cpu_step is not None
             ids, table = self._tensor(inputs.input_ids), self._block_table(inputs)
+            if len(inputs.input_ids) > len(inputs.rows):  # a verify step: a row per token
+                context, table = expand_verify_rows(inputs.counts, inputs.positions, table)
+                return self.cpu_step.run(
+                    ids, inputs.positions, inputs.slots, context, table, store_first=True
+                )
             return self.cpu_step.run(
                 ids, inputs.positions, inputs.slots, inputs.context_lens, table
             )
@@ -359,6 +468,8 @@ class ModelRunner:
             if self.lora is not None and (old := self.inputs.row_of.get(request.rnum)) is not None:
                 self.lora.remove_row(old)
             row = self.inputs.add(request)
+            if self.drafter is not None:
+                self.drafter.forget_rows([row])
             if self.lora is not None:
                 self.lora.add_row(row, request.lora_id)
             if request.prompt_embeds:

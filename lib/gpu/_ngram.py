@@ -43,3 +43,31 @@ def _occurs(tokens: np.ndarray, n: int) -> bool:
     """Whether the last `n` tokens occur earlier (a longer suffix can only if they do)."""
     windows = sliding_window_view(tokens[: len(tokens) - 1], n)
     return bool((windows == tokens[len(tokens) - n :]).all(axis=1).any())
+
+
+def propose_rows(
+    token_ids: np.ndarray,
+    num_tokens: np.ndarray,
+    rows: np.ndarray,
+    k: int,
+    *,
+    min_n: int,
+    max_n: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Drafts for each of `rows` of a runner's token table (row r's sequence is
+    token_ids[r, :num_tokens[r]]), at most `k` each and never past the table's width.
+
+    Returns:
+        (offsets int32 [rows + 1], tokens int32): row i's drafts at tokens[offsets[i]:...].
+    """
+    width = token_ids.shape[1]
+    drafts = []
+    for row in rows.tolist():
+        n = int(num_tokens[row])
+        room = min(k, width - n)
+        found = propose_ngram(token_ids[row, :n], min_n, max_n, room) if room > 0 else None
+        drafts.append(found if found is not None else np.zeros(0, np.int32))
+    offsets = np.zeros(len(drafts) + 1, np.int32)
+    np.cumsum([len(d) for d in drafts], out=offsets[1:])
+    tokens = np.concatenate(drafts) if drafts else np.zeros(0, np.int32)
+    return offsets, tokens.astype(np.int32, copy=False)

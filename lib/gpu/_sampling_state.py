@@ -7,6 +7,8 @@ into a growing numpy buffer, so `SamplingBatch.build` does per-step work on whol
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import numpy.typing as npt
 import torch
@@ -95,6 +97,15 @@ class RequestSamplingState:
         """Keep the first num_tokens output tokens (e.g. after rejected draft tokens)."""
         del self.output_token_ids[num_tokens:]
         self._num_mirrored = min(self._num_mirrored, num_tokens)
+
+    def with_outputs(self, extra: list[int]) -> RequestSamplingState:
+        """A copy whose outputs go on with `extra` (a speculative position, after the drafts
+        before it): same options, prompt and generator; its own output list and mirror."""
+        twin = copy.copy(self)
+        twin.output_token_ids = [*self.output_token_ids, *extra]
+        twin._output_mirror = np.empty(0, dtype=np.int64)
+        twin._num_mirrored = 0
+        return twin
 
     def output_token_array(self) -> npt.NDArray[np.int64]:
         """The output tokens as numpy, converting only those appended since the last call."""

@@ -51,6 +51,14 @@ class StepBatch:
     # from `execute`'s `masks` instead, computed while the forward runs.
     grammar_rnums: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     grammar_bitmask: np.ndarray | None = None
+    # Speculative decoding: the draft tokens each scheduled row verifies this step (counted
+    # in its `num_scheduled_tokens`, after its first token), row i's at
+    # draft_token_ids[draft_offsets[i]:draft_offsets[i + 1]] (both empty: no drafts); and how
+    # many drafts the runner proposes after sampling, for the next step (0: none). A grammar
+    # row with drafts has one bitmask row per position it samples (drafts + 1), in order.
+    draft_offsets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    draft_token_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    num_speculative_tokens: int = 0
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -81,6 +89,12 @@ class RunnerOutput:
     # request (ALL pooling: a row per prompt token, consecutive), and each row's request.
     pooled_rnums: np.ndarray | None = None  # [m] uint64
     pooled: np.ndarray | None = None  # [m, hidden] float32
+    # Speculative decoding: row i's tokens are token_ids[token_offsets[i]:token_offsets[i+1]]
+    # (its accepted drafts, then the token sampled after them; None: one token per row), and
+    # its draft tokens proposed for the next step, likewise by `draft_offsets` (None: none).
+    token_offsets: np.ndarray | None = None  # [n + 1] int32
+    draft_offsets: np.ndarray | None = None  # [n + 1] int32
+    draft_token_ids: np.ndarray | None = None  # int32
 
 
 class _WireStep(msgspec.Struct, array_like=True, gc=False):
@@ -95,6 +109,9 @@ class _WireStep(msgspec.Struct, array_like=True, gc=False):
     grammar_rnums: bytes = b""
     grammar_words: int = 0
     grammar_bitmask: bytes = b""
+    draft_offsets: bytes = b""
+    draft_token_ids: bytes = b""
+    num_speculative_tokens: int = 0
 
 
 class StepBatchCodec:
@@ -115,6 +132,10 @@ class StepBatchCodec:
             batch.num_scheduled_tokens.astype("<i4", copy=False).tobytes(),
             batch.finished_rnums.astype("<u8", copy=False).tobytes(),
         )
+        if len(batch.draft_offsets):
+            wire.draft_offsets = batch.draft_offsets.astype("<i4", copy=False).tobytes()
+            wire.draft_token_ids = batch.draft_token_ids.astype("<i4", copy=False).tobytes()
+        wire.num_speculative_tokens = batch.num_speculative_tokens
         if len(batch.grammar_rnums):
             if batch.grammar_bitmask is None:
                 raise ValueError(
@@ -140,6 +161,9 @@ class StepBatchCodec:
             np.frombuffer(wire.grammar_bitmask, "<i4").reshape(-1, wire.grammar_words)
             if wire.grammar_words
             else None,
+            np.frombuffer(wire.draft_offsets, "<i4"),
+            np.frombuffer(wire.draft_token_ids, "<i4"),
+            wire.num_speculative_tokens,
         )
 
 
@@ -163,6 +187,9 @@ class _WireOutput(msgspec.Struct, array_like=True, gc=False):
     pooled_rnums: bytes | None = None
     pooled_dim: int = 0
     pooled: bytes | None = None
+    token_offsets: bytes | None = None
+    draft_offsets: bytes | None = None
+    draft_token_ids: bytes | None = None
 
 
 def _raw(array: np.ndarray | None, dtype: str) -> bytes | None:
@@ -209,6 +236,9 @@ class RunnerOutputCodec:
             wire.pooled_rnums = _raw(output.pooled_rnums, "<u8")
             wire.pooled_dim = int(output.pooled.shape[1])
             wire.pooled = _raw(output.pooled, "<f4")
+        wire.token_offsets = _raw(output.token_offsets, "<i4")
+        wire.draft_offsets = _raw(output.draft_offsets, "<i4")
+        wire.draft_token_ids = _raw(output.draft_token_ids, "<i4")
         self._encoder.encode_into(wire, buffer)
 
     def decode(self, data: bytes | memoryview) -> RunnerOutput:
@@ -230,4 +260,7 @@ class RunnerOutputCodec:
             prompt,
             _array(wire.pooled_rnums, "<u8"),
             _array(wire.pooled, "<f4", wire.pooled_dim),
+            _array(wire.token_offsets, "<i4"),
+            _array(wire.draft_offsets, "<i4"),
+            _array(wire.draft_token_ids, "<i4"),
         )

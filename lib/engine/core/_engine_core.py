@@ -96,6 +96,7 @@ class EngineCore:
                 block_size=worker.block_size,
                 max_num_seqs=worker.max_num_seqs,
                 max_num_batched_tokens=worker.max_num_batched_tokens,
+                speculative=worker.speculative(),
                 max_model_len=self.max_model_len,
                 enable_prefix_caching=self.config.enable_prefix_caching,
                 hidden_size=model.hidden_size,
@@ -146,7 +147,9 @@ class EngineCore:
         self.step_rnums = batch.scheduled_rnums
         masks = None
         if len(batch.grammar_rnums) and self._grammars is not None:
-            masks = self._grammars.start_masks(self.scheduler.grammar_states(batch))
+            masks = self._grammars.start_masks(
+                self.scheduler.grammar_states(batch), self.scheduler.grammar_drafts(batch)
+            )
         output = self.executor.execute(batch, masks)
         self._answers_after_step = []
         try:

@@ -204,20 +204,44 @@ class Grammars:
 
     # -- masks ---------------------------------------------------------------------------
 
-    def start_masks(self, states: list[GrammarState]) -> Callable[[], np.ndarray] | None:
+    def start_masks(
+        self, states: list[GrammarState], drafts: list[list[int]] | None = None
+    ) -> Callable[[], np.ndarray] | None:
         """Begin filling one bitmask row per state (row i: bit t of word t // 32 set when
-        token t is allowed); returns the wait for it, or None for no states."""
+        token t is allowed); returns the wait for it, or None for no states.
+
+        `drafts` (speculative decoding): state i's drafts, which its step verifies: it takes
+        a row per position (len + 1), each the mask after the drafts before it (consumed,
+        then rolled back; the scheduler validated them)."""
         if not states:
             return None
-        n = len(states)
+        per_state = [1] * len(states) if drafts is None else [len(d) + 1 for d in drafts]
+        n = sum(per_state)
         if len(self._bitmask) < n:
             self._bitmask = np.empty((max(n, 2 * len(self._bitmask)), self.words), np.int32)
         bitmask = self._bitmask[:n]
-        pairs = [(state.matcher, i) for i, state in enumerate(states)]
         pointer, row_bytes = bitmask.ctypes.data, self.words * 4
-        future = self._masker.submit(
-            self._ll_executor.unsafe_compute_mask_ptr, pairs, pointer, row_bytes, n
-        )
+        firsts = np.cumsum(per_state) - per_state
+        pairs = [
+            (s.matcher, int(i)) for s, i, m in zip(states, firsts, per_state, strict=True) if m == 1
+        ]
+        spec = [
+            (s.matcher, int(i), d)
+            for s, i, d in zip(states, firsts, drafts or [], strict=False)
+            if d
+        ]
+
+        def fill() -> None:
+            if pairs:
+                self._ll_executor.unsafe_compute_mask_ptr(pairs, pointer, row_bytes, n)
+            for matcher, first, tokens in spec:
+                for j in range(len(tokens) + 1):
+                    matcher.unsafe_compute_mask_ptr(pointer + (first + j) * row_bytes, row_bytes)
+                    if j < len(tokens):
+                        matcher.consume_token(tokens[j])
+                matcher.rollback(len(tokens))
+
+        future = self._masker.submit(fill)
 
         def wait() -> np.ndarray:
             future.result()

@@ -64,6 +64,9 @@ class Request:
     # so a recompute after preemption does not report them twice.
     prompt_logprobs_end: int = 1
     grammar: GrammarState | None = None  # structured outputs: the matcher, once compiled
+    # Speculative decoding: the draft tokens the runner proposed after the last step, which
+    # the next one verifies (`_spec_decode`); never outputs until accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
     _all_token_ids: list[int] = field(init=False, repr=False)
     # EOS (unless ignored) and the stop token ids: one set test per sampled token.
     stop_token_set: frozenset[int] = field(init=False, repr=False)

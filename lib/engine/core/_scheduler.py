@@ -28,11 +28,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...gpu import NewRequest, PromptLogprobs, RunnerOutput, StepBatch
+from ...speculative import SpeculativeConfig
 from ...wire import PoolingType
 from ..protocol._step_record import FinishReason
 from ._grammar import GrammarState, GrammarViolationError
 from ._kv_cache_manager import KVCacheManager
 from ._request import Request, RequestStatus
+from ._spec_decode import SpecDecodingStats, usable_drafts
 
 
 class SchedulerConfigError(ValueError):
@@ -56,6 +58,7 @@ class SchedulerConfig:
     # Distinct LoRA adapters the running requests may hold (the worker's device slots).
     max_loras: int = 1
     hidden_size: int = 0  # a prompt embedding's width (0: prompt embeddings unchecked)
+    speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -88,6 +91,11 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # Speculative decoding (`SpecDecodingStats`): rows that verified drafts, drafts, accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
 
 @dataclass
@@ -139,6 +147,7 @@ class Scheduler:
         self._step = 0
         self._finished_rnums: list[int] = []  # rows the runner drops at its next step
         self._aborted: list[Request] = []  # aborts the next result reports
+        self.spec_stats = SpecDecodingStats()
 
     # -- requests in and out -----------------------------------------------------------------
 
@@ -238,6 +247,12 @@ class Scheduler:
         config, kv = self.config, self.kv_cache_manager
         budget = config.max_num_batched_tokens
         running = self.running
+        spec = config.speculative
+        speculating = spec is not None and spec.speculates(len(running))
+        # The draft model writes K/V of its drafts past each step (`gpu._draft_model`).
+        lookahead = spec.num_speculative_tokens if speculating and spec and spec.model else 0
+        draft_counts: list[int] = []  # per scheduled row: the drafts it verifies
+        draft_tokens: list[int] = []
         rnums: list[int] = []
         counts: list[int] = []
         grammar_rnums: list[int] = []  # rows that sample this step under a grammar
@@ -251,7 +266,17 @@ class Scheduler:
             num_new = request.num_tokens - request.num_computed_tokens
             if num_new > budget:
                 num_new = budget
-            while (new_blocks := kv.allocate_slots(request, num_new)) is None:
+            drafts = (
+                usable_drafts(request, budget - num_new, config.max_model_len)
+                if speculating
+                and request.spec_token_ids
+                and num_new == 1 == request.num_tokens - request.num_computed_tokens
+                else []
+            )
+            request.spec_token_ids = []
+            num_new += len(drafts)
+            extra = self._lookahead(request, num_new, lookahead)
+            while (new_blocks := kv.allocate_slots(request, num_new + extra)) is None:
                 victim = running.pop()
                 self.preempt(victim)
                 preempted = True
@@ -261,9 +286,11 @@ class Scheduler:
                 break
             rnums.append(request.rnum)
             counts.append(num_new)
+            draft_counts.append(len(drafts))
+            draft_tokens += drafts
             if (
                 request.grammar is not None
-                and num_new == request.num_tokens - request.num_computed_tokens
+                and request.num_computed_tokens + num_new >= request.num_tokens
             ):
                 grammar_rnums.append(request.rnum)
             cached_new_blocks.append(new_blocks)
@@ -282,7 +309,8 @@ class Scheduler:
                 ([], 0) if _needs_every_position(request) else kv.get_computed_blocks(request)
             )
             num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if kv.allocate_slots(request, num_new, hits) is None:
+            extra = self._lookahead(request, num_hit_tokens + num_new, lookahead)
+            if kv.allocate_slots(request, num_new + extra, hits) is None:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             if request.status is RequestStatus.WAITING:
@@ -304,6 +332,7 @@ class Scheduler:
             )
             rnums.append(request.rnum)
             counts.append(num_new)
+            draft_counts.append(0)
             if request.grammar is not None and num_hit_tokens + num_new == request.num_tokens:
                 grammar_rnums.append(request.rnum)
             budget -= num_new
@@ -319,9 +348,33 @@ class Scheduler:
             finished_rnums=np.array(self._finished_rnums, np.uint64),
             grammar_rnums=np.array(grammar_rnums, np.uint64),
         )
+        if draft_tokens:
+            batch.draft_offsets = np.zeros(len(draft_counts) + 1, np.int32)
+            np.cumsum(draft_counts, out=batch.draft_offsets[1:])
+            batch.draft_token_ids = np.array(draft_tokens, np.int32)
+        if speculating and spec is not None:
+            batch.num_speculative_tokens = spec.num_speculative_tokens
         self._finished_rnums = []
         self._step += 1
         return batch
+
+    def _lookahead(self, request: Request, num_tokens: int, lookahead: int) -> int:
+        """Slots past a step's `num_tokens` (computed after it) that a generation request
+        reserves for the draft model's drafts, within `max_model_len`."""
+        if not lookahead or request.options.is_pooling:
+            return 0
+        return max(0, min(lookahead, self.config.max_model_len - num_tokens))
+
+    def grammar_drafts(self, batch: StepBatch) -> list[list[int]] | None:
+        """The drafts of each of `batch.grammar_rnums`, in order (None: the step has none);
+        their masks take a bitmask row per position."""
+        if not len(batch.draft_token_ids) or not len(batch.grammar_rnums):
+            return None
+        offsets = batch.draft_offsets.tolist()
+        tokens = batch.draft_token_ids.tolist()
+        index = {r: i for i, r in enumerate(batch.scheduled_rnums.tolist())}
+        bounds = [(offsets[index[r]], offsets[index[r] + 1]) for r in batch.grammar_rnums.tolist()]
+        return [tokens[a:b] for a, b in bounds]
 
     def _adapter_fits(self, lora_id: int) -> bool:
         """Whether a request of adapter `lora_id` may run beside the running ones: its
@@ -335,6 +388,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -345,13 +399,15 @@ class Scheduler:
         sampled tokens, finish (and free) what stopped. Tokens of requests aborted while the
         step ran are dropped."""
         requests, kv = self.requests, self.kv_cache_manager
+        drafted = _drafts_by_rnum(batch)  # rows that verified drafts: cached once rolled back
         for rnum, count in zip(
             batch.scheduled_rnums.tolist(), batch.num_scheduled_tokens.tolist(), strict=True
         ):
             request = requests.get(rnum)
             if request is not None:
                 request.num_computed_tokens += count
-                kv.cache_blocks(request)
+                if rnum not in drafted:
+                    kv.cache_blocks(request)
         prompt_logprobs = self._new_prompt_logprobs(output.prompt_logprobs)
         pooled_done = self._finish_pooled(batch)
 
@@ -360,9 +416,13 @@ class Scheduler:
         finish: list[int] = []
         num_cached: list[int] = []
         num_finished = 0
-        for i, (rnum, token_id) in enumerate(
-            zip(output.rnums.tolist(), output.token_ids.tolist(), strict=True)
-        ):
+        runs = None
+        single = zip(output.rnums.tolist(), output.token_ids.tolist(), strict=True)
+        if output.token_offsets is not None:  # speculative: several tokens a row
+            runs = self._apply_runs(output, drafted, finish, num_cached)
+            num_finished = sum(1 for reason in finish if reason)
+            single = zip([], [], strict=True)
+        for i, (rnum, token_id) in enumerate(single):
             request = requests.get(rnum)
             if request is None:
                 if kept is None:
@@ -384,8 +444,10 @@ class Scheduler:
             num_cached.append(request.num_cached_tokens)
         if num_finished or pooled_done:
             self.running = [r for r in self.running if not r.is_finished]
+        if output.draft_offsets is not None and output.draft_token_ids is not None:
+            self._keep_drafts(output.rnums, output.draft_offsets, output.draft_token_ids)
         result = self._result(
-            batch.step, output, kept, finish, num_cached, prompt_logprobs, pooled_done
+            batch.step, output, kept, finish, num_cached, prompt_logprobs, pooled_done, runs
         )
         if pooled_done and output.pooled is not None and output.pooled_rnums is not None:
             # Rows of requests aborted while the step ran are dropped with them.
@@ -393,6 +455,67 @@ class Scheduler:
             result.pooled_rnums = output.pooled_rnums[keep]
             result.pooled = output.pooled[keep]
         return result
+
+    def _apply_runs(
+        self,
+        output: RunnerOutput,
+        drafted: dict[int, int],
+        finish: list[int],
+        num_cached: list[int],
+    ) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """Apply a step whose rows carry several tokens (accepted drafts, then one more):
+        roll back the rejected drafts, append tokens until one ends the request (max_tokens,
+        a stop token, the grammar's end: the rest of the run is dropped), cache full blocks.
+        Returns the kept rows' and tokens' indices, and each kept row's count of tokens."""
+        requests, kv = self.requests, self.kv_cache_manager
+        max_model_len = self.config.max_model_len
+        assert output.token_offsets is not None
+        offsets = output.token_offsets.tolist()
+        tokens = output.token_ids.tolist()
+        row_index: list[int] = []
+        token_index: list[int] = []
+        counts: list[int] = []
+        for i, rnum in enumerate(output.rnums.tolist()):
+            request = requests.get(rnum)
+            if request is None:  # aborted while the step ran
+                continue
+            run = tokens[offsets[i] : offsets[i + 1]]
+            num_drafts = drafted.get(rnum, 0)
+            if num_drafts:
+                self.spec_stats.record(num_drafts, len(run) - 1)
+                request.num_computed_tokens -= num_drafts - (len(run) - 1)
+            reason = FinishReason.NONE
+            taken = 0
+            for token_id in run:
+                request.append_output_token(token_id)
+                taken += 1
+                reason = request.check_stop(token_id, max_model_len)
+                if request.grammar is not None and not reason:
+                    reason = _grammar_step(request.grammar, token_id, rnum)
+                if reason:
+                    break
+            # The K/V of tokens a stop cut off is no output's: not computed, never cached.
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+            kv.cache_blocks(request)
+            if reason:
+                request.finish(reason)
+                kv.free(request)
+                del requests[rnum]
+                self._finished_rnums.append(rnum)
+            row_index.append(i)
+            token_index.extend(range(offsets[i], offsets[i] + taken))
+            counts.append(taken)
+            finish.append(reason)
+            num_cached.append(request.num_cached_tokens)
+        return np.array(row_index, np.intp), np.array(token_index, np.intp), counts
+
+    def _keep_drafts(self, rnums: np.ndarray, offsets: np.ndarray, tokens: np.ndarray) -> None:
+        """Keep each live request's drafts for its next step (`schedule` checks them)."""
+        bounds = offsets.tolist()
+        for i, rnum in enumerate(rnums.tolist()):
+            request = self.requests.get(rnum)
+            if request is not None and bounds[i + 1] > bounds[i]:
+                request.spec_token_ids = tokens[bounds[i] : bounds[i + 1]].tolist()
 
     def _finish_pooled(self, batch: StepBatch) -> list[Request]:
         """Finish (STOP) and free the pooling requests whose prompt this step completed."""
@@ -431,12 +554,21 @@ class Scheduler:
         num_cached: list[int],
         prompt_logprobs: dict[int, PromptLogprobs],
         pooled_done: list[Request],
+        runs: tuple[np.ndarray, np.ndarray, list[int]] | None = None,
     ) -> StepResult:
         """Columns of the rows that produced a token, then one empty row per pooling request
         that ended and per abort."""
         rnums = np.asarray(output.rnums, np.uint64)
         tokens = np.asarray(output.token_ids, np.int32)
         logprobs, topk_ids, topk_logprobs = output.logprobs, output.topk_ids, output.topk_logprobs
+        row_counts: list[int] | None = None
+        if runs is not None:  # several tokens a row (speculative): the kept rows' kept tokens
+            rows, index, row_counts = runs
+            rnums = rnums[rows]
+            tokens = tokens[index]
+            logprobs = None if logprobs is None else logprobs[index]
+            topk_ids = None if topk_ids is None else topk_ids[index]
+            topk_logprobs = None if topk_logprobs is None else topk_logprobs[index]
         if kept is not None:
             index = np.array(kept, np.intp)
             rnums, tokens = rnums[index], tokens[index]
@@ -453,8 +585,13 @@ class Scheduler:
             finish.extend([FinishReason.ABORT] * len(self._aborted))
             num_cached.extend(r.num_cached_tokens for r in self._aborted)
             self._aborted = []
-        offsets = np.arange(len(rnums) + 1, dtype=np.uint32)
-        offsets[num_tokens + 1 :] = num_tokens
+        if row_counts is None:
+            offsets = np.arange(len(rnums) + 1, dtype=np.uint32)
+            offsets[num_tokens + 1 :] = num_tokens
+        else:
+            offsets = np.full(len(rnums) + 1, num_tokens, np.uint32)
+            offsets[0] = 0
+            np.cumsum(row_counts, out=offsets[1 : len(row_counts) + 1])
         return StepResult(
             step,
             rnums,
@@ -525,6 +662,10 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            spec_num_drafts=self.spec_stats.num_drafts,
+            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_accepted_per_position=tuple(self.spec_stats.accepted_per_position),
         )
 
 
@@ -543,3 +684,11 @@ def _grammar_step(grammar: GrammarState, token_id: int, rnum: int) -> FinishReas
     except GrammarViolationError as exc:
         print(f"trillm engine: request {rnum} ended in error: {exc}", file=sys.stderr, flush=True)
         return FinishReason.ERROR
+
+
+def _drafts_by_rnum(batch: StepBatch) -> dict[int, int]:
+    """How many drafts each row of `batch` that verified some verified."""
+    if not len(batch.draft_token_ids):
+        return {}
+    counts = np.diff(batch.draft_offsets).tolist()
+    return {r: k for r, k in zip(batch.scheduled_rnums.tolist(), counts, strict=True) if k}

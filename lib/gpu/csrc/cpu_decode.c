@@ -111,11 +111,16 @@ static void residual_add(float *hidden, const float *y, const float *norm, int M
  * layer's rotary table (its position, or longrope's shifted row), its K/V go to `slots[m]`,
  * and it attends to the `context_lens[m]` tokens (its own included) whose blocks
  * `tables[m * table_stride ...]` lists. `scratch`: `trillm_decode_scratch` floats.
- */
+ *
+ * `store_first`: some token reads K/V another token of the step stores (a speculative
+ * verify step: a sequence's k + 1 tokens come as k + 1 rows over the same blocks, each to
+ * its own position), so every token's K/V are stored before any attends: one more barrier
+ * a layer. */
 void trillm_decode(const struct tl_model *md, const struct tl_layer *layers,
                    const float *final_norm, float *hidden, float *out, int M,
                    const int64_t *rope_rows, const int64_t *slots, const int32_t *tables,
-                   int table_stride, const int32_t *context_lens, float *scratch, int threads) {
+                   int table_stride, const int32_t *context_lens, float *scratch, int threads,
+                   int store_first) {
     const int H = md->hidden, D = md->head_dim, NH = md->num_heads, NKV = md->num_kv_heads;
     const int I = md->intermediate;
     const int Q = NH * D, KV = NKV * D, NQKV = Q + 2 * KV;
@@ -148,7 +153,13 @@ void trillm_decode(const struct tl_model *md, const struct tl_layer *layers,
             const struct tl_step step = {L,      L->k_cache,   L->v_cache, qkv,
                                          rope_rows, slots,     tables,     NULL,
                                          context_lens, table_stride, attn};
-            attention_tasks(md, &step, att0, att1, 1, ATT_BOTH, work);
+            if (store_first) {
+                attention_tasks(md, &step, att0, att1, 1, ATT_STORE, work);
+#pragma omp barrier
+                attention_tasks(md, &step, att0, att1, 1, ATT_ATTEND, work);
+            } else {
+                attention_tasks(md, &step, att0, att1, 1, ATT_BOTH, work);
+            }
 #pragma omp barrier
             const float *osum = sums_for(L->to, attn, M, Q, xsum);
             if (L->ln_attn_out) { /* normed before it joins the stream: a whole row first */
