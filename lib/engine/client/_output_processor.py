@@ -86,13 +86,22 @@ class OutputProcessor:
             if state is None:  # aborted by us: the engine's last words about it
                 continue
             new = tokens[offsets[i] : offsets[i + 1]]
-            text = state.detokenizer.push(new) if new else ""
+            stopped = False
+            fed = state.stop is not None and len(new) > 1  # several tokens (speculative)
+            if fed:
+                text, new, stopped = _push_until_stop(state, new)
+            else:
+                text = state.detokenizer.push(new) if new else ""
             reason = FINISH_REASONS.get(finish[i]) if finish is not None else None
-            if reason is not None:  # release a held, incomplete character as decode would
-                text += state.detokenizer.flush()
+            if reason is not None and not stopped:  # release a held, incomplete character
+                tail = state.detokenizer.flush()
+                if fed and state.stop is not None:
+                    tail, stopped = state.stop.feed(tail)
+                text += tail
             stop_reason: str | int | None = None
             if state.stop is not None:
-                text, stopped = state.stop.feed(text)
+                if not fed:
+                    text, stopped = state.stop.feed(text)
                 if stopped:
                     if reason is None:
                         to_abort.append(rnum)
@@ -202,6 +211,20 @@ class OutputProcessor:
                 to_wake.append(state.mailbox)
         for mailbox in to_wake:
             mailbox.wake()
+
+
+def _push_until_stop(state: RequestState, new: list[int]) -> tuple[str, list[int], bool]:
+    """Detokenise a row's tokens one at a time through its stop checker: a stop string that
+    ends inside the run drops the tokens after it, as one token a step would never have
+    produced them. Returns (text to emit, the tokens kept, whether a stop string ended it)."""
+    assert state.stop is not None
+    text = ""
+    for j, token in enumerate(new):
+        piece, stopped = state.stop.feed(state.detokenizer.push([token]))
+        text += piece
+        if stopped:
+            return text, new[: j + 1], True
+    return text, new, False
 
 
 def pooled_rows(view: StepView) -> dict[int, np.ndarray]:
