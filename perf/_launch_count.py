@@ -90,12 +90,14 @@ class LaunchCounter(TorchDispatchMode):
 
 @contextlib.contextmanager
 def counting_triton(counter: LaunchCounter) -> Iterator[None]:
-    """Each launch `kernel[grid](...)` of trillm's Triton kernels counted as one."""
-    from trillm.gpu import _triton_kernels as kernels
+    """Each launch `kernel[grid](...)` of trillm's Triton kernels (the attention's and the
+    fused ones) counted as one."""
+    from trillm.gpu import _fused_kernels, _triton_kernels
 
     originals = {
-        name: obj
-        for name, obj in vars(kernels).items()
+        (module, name): obj
+        for module in (_triton_kernels, _fused_kernels)
+        for name, obj in vars(module).items()
         if name.endswith("_kernel") and hasattr(obj, "__getitem__")
     }
 
@@ -113,20 +115,31 @@ def counting_triton(counter: LaunchCounter) -> Iterator[None]:
 
             return run
 
-    for name, kernel in originals.items():
-        setattr(kernels, name, Counted(name, kernel))
+    for (module, name), kernel in originals.items():
+        setattr(module, name, Counted(name, kernel))
     try:
         yield
     finally:
-        for name, kernel in originals.items():
-            setattr(kernels, name, kernel)
+        for (module, name), kernel in originals.items():
+            setattr(module, name, kernel)
 
 
 @contextlib.contextmanager
 def layer_regions(model: torch.nn.Module, counter: LaunchCounter) -> Iterator[None]:
-    """The counter told which decoder layer runs, by forward hooks on each."""
+    """The counter told which decoder layer runs, by forward hooks on each (and by wrapping
+    `forward_fused`, which the fused path calls directly: it returns two tensors)."""
     handles = []
-    for index, layer in enumerate(model.decoder_layers()):  # type: ignore[operator]
+    layers = model.decoder_layers()  # type: ignore[operator]
+    for index, layer in enumerate(layers):
+
+        def fused(*args: Any, index: int = index, plain: Any = layer.forward_fused) -> Any:
+            counter.layer = index
+            try:
+                return plain(*args)
+            finally:
+                counter.layer = None
+
+        layer.forward_fused = fused
 
         def enter(module: Any, args: Any, index: int = index) -> None:
             counter.layer = index
@@ -140,6 +153,8 @@ def layer_regions(model: torch.nn.Module, counter: LaunchCounter) -> Iterator[No
     finally:
         for handle in handles:
             handle.remove()
+        for layer in layers:
+            del layer.forward_fused  # the instance's wrapper: the class's method again
 
 
 def count_step(model: torch.nn.Module, step: Callable[[], Any]) -> dict[str, Any]:

@@ -510,14 +510,21 @@ def count_launches(args: argparse.Namespace, device: torch.device, tmp: Path) ->
         model_dir = write_model_dir(tmp / name, llama_config(shape))
         blocks = 8 * (-(-(context + steps + 2) // BLOCK_SIZE)) + 8
         row: dict[str, Any] = {"model": name, "layers": shape["num_hidden_layers"]}
-        for mode, eager in (("eager", True), ("graphs", False)):
-            if not eager and not on_cuda:
-                continue  # graphs are CUDA only
+        # eager: the torch ops (the fused kernels off); fused: the fused kernels on (CUDA's
+        # eager path with the triton backend; on the CPU through the interpreter); graphs:
+        # as the runner chose (CUDA only)
+        for mode, eager, fused in (
+            ("eager", True, False), ("fused", True, True), ("graphs", False, None),
+        ):  # fmt: skip
+            if (not eager and not on_cuda) or (fused and backend != "triton"):
+                continue  # graphs are CUDA only; the rotary kernel writes triton's cache
             runner, _ = open_runner(
                 model_dir, device, enforce_eager=eager, attention_backend=backend,
                 num_blocks=blocks, max_num_seqs=8, max_num_batched_tokens=8 * context,
                 cpu_linear="aten",
             )  # fmt: skip
+            if fused is not None:
+                runner.model.use_fused(fused)
             row[mode] = [count_decode(runner, b, context, steps) for b in batches]
             del runner
             free_memory(device)
@@ -530,25 +537,31 @@ def launches_table(result: dict[str, Any]) -> list[str]:
         f"kernels per eager decode step on {result['device_name']} (attention "
         f"{result['attention_backend']}, context {result['context']}; CPU: aten ops that "
         "launch + Triton launches, input uploads not counted)",
-        "model          layers  batch  per step  per layer  outside  syncs  same/step  "
-        "profiler eager  profiler graphs",
+        "model          mode    layers  batch  per step  per layer  outside  syncs  "
+        "same/step  profiler eager  profiler graphs",
     ]
     for m in result["launches"]:
-        for i, c in enumerate(m["eager"]):
-            prof = c["cuda_profiler"]
-            graphs = m.get("graphs", [None, None])[i]
-            graph_prof = graphs and graphs["cuda_profiler"]
-            lines.append(
-                f"{m['model']:<14} {m['layers']:>6}  {c['batch']:>5}  {c['per_step']:>8}  "
-                f"{c['per_layer']!s:>9}  {c['outside_layers']:>7}  {c['syncs']:>5}  "
-                f"{c['same_every_step']!s:>9}  {prof['kernels'] if prof else '-':>14}  "
-                f"{graph_prof['kernels'] if graph_prof else '-':>15}"
-            )
-    first = result["launches"][0]["eager"][0]
-    ops = ", ".join(f"{k} {v}" for k, v in first["layer_ops"].items())
-    lines.append(f"one layer of {result['launches'][0]['model']}: {ops}")
-    ops = ", ".join(f"{k} {v}" for k, v in first["outside_ops"].items())
-    lines.append(f"outside the layers: {ops}")
+        for mode in ("eager", "fused"):
+            for i, c in enumerate(m.get(mode, [])):
+                prof = c["cuda_profiler"]
+                graphs = m.get("graphs", [None, None])[i] if mode == "fused" else None
+                graph_prof = graphs and graphs["cuda_profiler"]
+                lines.append(
+                    f"{m['model']:<14} {mode:<6} {m['layers']:>6}  {c['batch']:>5}  "
+                    f"{c['per_step']:>8}  {c['per_layer']!s:>9}  {c['outside_layers']:>7}  "
+                    f"{c['syncs']:>5}  {c['same_every_step']!s:>9}  "
+                    f"{prof['kernels'] if prof else '-':>14}  "
+                    f"{graph_prof['kernels'] if graph_prof else '-':>15}"
+                )
+    first_model = result["launches"][0]
+    for mode in ("eager", "fused"):
+        if mode not in first_model:
+            continue
+        first = first_model[mode][0]
+        ops = ", ".join(f"{k} {v}" for k, v in first["layer_ops"].items())
+        lines.append(f"one layer of {first_model['model']}, {mode}: {ops}")
+        ops = ", ".join(f"{k} {v}" for k, v in first["outside_ops"].items())
+        lines.append(f"outside the layers, {mode}: {ops}")
     return lines
 
 

@@ -179,11 +179,27 @@ class TritonAttention:
         Raises:
             ValueError: `window` or `softcap` is negative.
         """
-        if window < 0:
-            raise ValueError(f"window must be >= 0 keys (0: no window), got {window}")
-        if softcap < 0:
-            raise ValueError(f"softcap must be >= 0 (0: no cap), got {softcap}")
+        _check_window_softcap(window, softcap)  # before anything is written
         self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attention(q, k_cache, v_cache, meta, scale, window, softcap)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: TritonAttentionMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+    ) -> torch.Tensor:
+        """The attention of one layer over K/V already in the cache (`forward` without its
+        write; the fused rotary kernel writes K/V itself, `_fused_kernels`).
+
+        Raises:
+            ValueError: `window` or `softcap` is negative.
+        """
+        _check_window_softcap(window, softcap)
         num_tokens, num_heads = q.shape[0], q.shape[1]
         out = torch.empty_like(q)
         segments = meta.num_segments
@@ -218,6 +234,13 @@ class TritonAttention:
                 HEAD_DIM=self.head_dim, HEAD_DIM_PAD=self.head_dim_pad, NUM_SEGMENTS=segments,
             )  # fmt: skip
         return out
+
+
+def _check_window_softcap(window: int, softcap: float) -> None:
+    if window < 0:
+        raise ValueError(f"window must be >= 0 keys (0: no window), got {window}")
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0: no cap), got {softcap}")
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -45,3 +45,11 @@ def choose_kernels(
     return KernelChoice(
         "cpu", name, linear.path, features.summary(), linear.reason, attention, *quant
     )
+
+
+def fused_kernels_for(device: torch.device, attention: str) -> bool:
+    """Whether the model runs the fused Triton kernels (`_fused_kernels`): on CUDA with the
+    triton attention backend (the rotary kernel writes its cache), where they cut a decode
+    layer from 25 launches to 9. The CPU keeps its torch ops and C step, whose numbers and
+    speed the kernels would only change (interpreted, they are slow)."""
+    return device.type == "cuda" and attention == "triton"

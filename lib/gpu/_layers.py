@@ -12,6 +12,8 @@ after the base product (a row-parallel one before its all-reduce).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,6 +23,9 @@ from ._gguf_blocks import QuantizedTensor
 from ._lora_slots import LoraLinear
 from ._parallel import TensorParallel
 from ._quantized import QuantizedLinearWeight, pack_quantized
+
+if TYPE_CHECKING:
+    from ._fused_kernels import FusedOps
 
 
 def _drop(param: nn.Parameter) -> None:
@@ -70,6 +75,7 @@ class RMSNorm(nn.Module):
         local = size if self.tp is None else self.tp.split(size, "normed features")
         init = 0.0 if offset else 1.0
         self.weight = nn.Parameter(torch.full((local,), init, dtype=dtype), requires_grad=False)
+        self.fused: FusedOps | None = None  # CUDA: one Triton kernel (`use_fused`)
 
     def load(self, weight: torch.Tensor) -> None:
         """Copy this rank's part of the full weight."""
@@ -88,6 +94,8 @@ class RMSNorm(nn.Module):
             squares = self.tp.all_reduce(x32.pow(2).sum(-1, keepdim=True))
             normed = x32 * torch.rsqrt(squares / self.full_size + self.eps)
             return (normed * self.scale()).to(x.dtype)
+        if self.fused is not None:  # the same rounding order, in one launch
+            return self.fused.rms_norm(x, self.weight, self.eps, self.offset)
         if x.dtype == torch.float32:  # one fused kernel, the same arithmetic
             weight = self.weight if not self.offset else self.weight + self.offset
             return F.rms_norm(x, self.weight.shape, weight, self.eps)

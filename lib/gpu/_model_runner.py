@@ -34,7 +34,7 @@ from ._draft_model import DraftModel
 from ._forward import FaultHook, Path, choose_path, expand_verify_rows
 from ._grammar_mask import apply_grammar_bitmask, step_bitmask
 from ._input_batch import InputBatch, StepInputs
-from ._kernels import choose_kernels
+from ._kernels import choose_kernels, fused_kernels_for
 from ._lora import LoraManager
 from ._lora_weights import LoraAdapterError
 from ._model_config import ModelConfig
@@ -143,6 +143,8 @@ class ModelRunner:
         if self.kernels.linear == "onednn":
             with log.phase("linears packed for oneDNN"):
                 model.pack_linears()
+        if fused_kernels_for(self.device, self.config.attention_backend_for(self.device)):
+            model.use_fused()
         self.model = model.eval()
         spec = self.speculative
         if spec is not None and spec.model is not None:

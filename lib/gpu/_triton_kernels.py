@@ -78,7 +78,7 @@ _max = tl.standard._elementwise_max
 _add = tl.standard._sum_combine
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # a per-step int: no compile mid-serving
 def _write_kv_kernel(
     k_ptr,
     v_ptr,

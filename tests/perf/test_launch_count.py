@@ -45,3 +45,11 @@ def test_a_decode_step_is_its_layers_and_the_rest(tmp_path: Path) -> None:
     assert sum(step["outside_ops"].values()) == step["outside_layers"]
     assert step["outside_ops"]["aten.embedding"] == 1
     assert step["cuda_profiler"] is None  # CPU
+    # the fused kernels (CUDA's eager path, interpreted here): at most 10 a layer
+    (fused,) = model["fused"]
+    assert fused["same_every_step"] and fused["per_layer"] <= 10
+    assert fused["layer_ops"]["triton._rms_norm_kernel"] == 2
+    assert fused["layer_ops"]["triton._rope_write_kv_kernel"] == 1
+    assert fused["layer_ops"]["triton._silu_mul_kernel"] == 1
+    assert "triton._write_kv_kernel" not in fused["layer_ops"]  # rotary writes the cache
+    assert fused["per_step"] == fused["per_layer"] * model["layers"] + fused["outside_layers"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -29,6 +29,9 @@ from .._model_config import ModelConfig, sliding_windows
 from .._moe import FusedMoE
 from .._parallel import TensorParallel
 from .._rotary import Rope, RotaryEmbedding
+
+if TYPE_CHECKING:
+    from .._fused_kernels import FusedOps
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 Meta = StepAttention | QkvAttention
@@ -81,6 +84,7 @@ class LlamaAttention(nn.Module):
             what="attention heads",
         )
         self.rotary = rotary
+        self.fused: FusedOps | None = None  # CUDA: rotary + KV write in one kernel
         eps, offset = config.rms_norm_eps, config.norm_offset
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
@@ -98,6 +102,13 @@ class LlamaAttention(nn.Module):
         if isinstance(meta, QkvAttention):  # rotary, KV write and attention in one call
             fused: torch.Tensor = self.o_proj(meta.attend_qkv(qkv, kv_cache[0], kv_cache[1]))
             return fused
+        if self.fused is not None and rope is not None and self.q_norm is None:
+            out = self.fused.rope_attend(
+                qkv, rope, kv_cache, meta, self.num_heads, self.num_kv_heads,
+                self.scale, self.window, self.softcap,
+            )  # fmt: skip
+            rotated: torch.Tensor = self.o_proj(out.flatten(1))
+            return rotated
         q, k = self._rotated_qk(rope, qkv)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, self.window, self.softcap)
@@ -141,9 +152,15 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(
             size, config.hidden_size, bias=False, tp=tp, dtype=dtype, what="intermediate_size"
         )
+        self.fused: FusedOps | None = None  # CUDA: SiLU * up in one kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        result: torch.Tensor = self.down_proj(gated(self.gate_up_proj(x), self.act))
+        gate_up = self.gate_up_proj(x)
+        if self.fused is not None and self.act == "silu":
+            act = self.fused.silu_mul(gate_up)
+        else:
+            act = gated(gate_up, self.act)
+        result: torch.Tensor = self.down_proj(act)
         return result
 
 
@@ -187,6 +204,29 @@ class LlamaDecoderLayer(nn.Module):
         result: torch.Tensor = hidden + self.mlp(self.post_attention_layernorm(hidden))
         return result
 
+    def forward_fused(
+        self,
+        fused: FusedOps,
+        rope: Rope | None,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv: KVCache,
+        meta: Meta,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with each residual add fused into the norm after it (vLLM's layout):
+        takes the previous layer's MLP output and the residual stream before it (None: the
+        first layer, `hidden` is the embedding), returns this layer's pair. The sums are the
+        same bf16 adds in the same order (x + y rounds as y + x), so the numbers are too."""
+        norm = self.input_layernorm
+        if residual is None:
+            x, residual = fused.rms_norm(hidden, norm.weight, norm.eps, norm.offset), hidden
+        else:
+            x, residual = fused.add_rms_norm(hidden, residual, norm.weight, norm.eps, norm.offset)
+        attn = self.self_attn(rope, x, kv, meta)
+        norm = self.post_attention_layernorm
+        x, residual = fused.add_rms_norm(attn, residual, norm.weight, norm.eps, norm.offset)
+        return self.mlp(x), residual
+
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _MERGED = {
@@ -207,6 +247,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.fail_next_forward = False  # the inject_fault test hook
+        self.fused: FusedOps | None = None  # `use_fused`: CUDA's fused kernels
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp=tp, dtype=dtype
         )
@@ -266,11 +307,53 @@ class LlamaForCausalLM(nn.Module):
         ropes = {id(self.rotary): self.rotary.angles(positions)}
         if self.local_rotary is not None:
             ropes[id(self.local_rotary)] = self.local_rotary.angles(positions)
+        if self.fused is not None and self.residual_fusable():
+            return self._forward_fused(self.fused, hidden, ropes, kv_caches, meta)
         for layer, kv in zip(self.decoder_layers(), kv_caches, strict=True):
             rotary = layer.self_attn.rotary
             hidden = layer(None if rotary is None else ropes[id(rotary)], hidden, kv, meta)
         result: torch.Tensor = self.norm(hidden)
         return result
+
+    def _forward_fused(
+        self,
+        fused: FusedOps,
+        hidden: torch.Tensor,
+        ropes: dict[int, Rope],
+        kv_caches: list[KVCache],
+        meta: Meta,
+    ) -> torch.Tensor:
+        """The layers with the residual adds fused into the norms (`forward_fused`)."""
+        residual: torch.Tensor | None = None
+        for layer, kv in zip(self.decoder_layers(), kv_caches, strict=True):
+            rotary = layer.self_attn.rotary
+            rope = None if rotary is None else ropes[id(rotary)]
+            hidden, residual = layer.forward_fused(fused, rope, hidden, residual, kv, meta)
+        if residual is None:  # no layers
+            return fused.rms_norm(hidden, self.norm.weight, self.norm.eps, self.norm.offset)
+        norm = self.norm
+        return fused.add_rms_norm(hidden, residual, norm.weight, norm.eps, norm.offset)[0]
+
+    def residual_fusable(self) -> bool:
+        """Whether every layer is Llama's pre-norm block (families that move the norms or
+        scale the residual override `forward`, and keep it)."""
+        return all(
+            type(layer).forward is LlamaDecoderLayer.forward for layer in self.decoder_layers()
+        )
+
+    def use_fused(self, on: bool = True) -> None:
+        """Run CUDA's fused Triton kernels from now on (`_fused_kernels`): RMSNorm (with the
+        residual add where the block is Llama's), rotary with the KV write, SiLU * up.
+        Chosen once at load (`_kernels.fused_kernels_for`; `perf/gpu_bench.py` also turns
+        them on for the CPU's count, off for CUDA's baseline); imports triton. The rotary
+        kernel needs the triton attention backend's metadata."""
+        if on:
+            from .._fused_kernels import FusedOps
+
+        self.fused = FusedOps() if on else None
+        for module in self.modules():
+            if isinstance(module, RMSNorm | LlamaAttention | LlamaMLP):
+                module.fused = self.fused
 
     def pack_linears(self) -> None:
         """Pack every linear weight and the head for oneDNN (CPU only; see `_cpu_linear`)."""
