@@ -201,3 +201,19 @@ def test_disable_by_batch_size_turns_it_off(runner: ModelRunner) -> None:
     busy = scheduler.spec_stats.num_drafts
     _, alone = run(runner, PROMPTS, spec=ngram(3))
     assert busy < alone.spec_stats.num_drafts
+
+
+def test_the_target_as_its_own_draft_model_accepts_every_draft(tiny_dir: Path) -> None:
+    """A check of the draft model's bookkeeping (its KV under the target's block tables,
+    the lookahead slots, catch-up after each step): drafting with the target itself, every
+    draft is accepted and the tokens are the target's."""
+    spec = json.dumps(
+        {"method": "draft_model", "model": str(tiny_dir), "num_speculative_tokens": 3}
+    )
+    drafted = make_runner(tiny_dir, num_blocks=64, block_size=BLOCK, speculative_config=spec)
+    plain, _ = run(drafted, PROMPTS, spec=None, max_tokens=30)
+    tokens, scheduler = run(drafted, PROMPTS, spec=spec, max_tokens=30)
+    assert tokens == plain
+    stats = scheduler.spec_stats
+    assert stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
