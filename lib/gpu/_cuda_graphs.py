@@ -9,8 +9,10 @@ padding rows, which the KV write skips), sequence lengths (0 for padding rows, w
 nothing) and a block table as wide as `max_model_len` needs. A step of B decodes is padded to
 the next captured size; its logits are computed outside the graph, from the first B rows.
 
-Only the forward is captured: what depends on the step (building inputs, sampling, penalties,
-grammar masks) runs eager around it, as in vLLM. Prefill and mixed steps run eager too.
+The inputs reach the static buffers in one host-to-device copy a step from a pinned mirror,
+padded on the host (`_graph_inputs`). Only the forward is captured: what depends on the step
+(building inputs, sampling, penalties, grammar masks) runs eager around it, as in vLLM.
+Prefill and mixed steps run eager too.
 
 Off CUDA, `capture` records no graph and `run` runs the forward eagerly over the same static,
 padded buffers, so the padding and the static metadata are tested on any machine.
@@ -22,9 +24,11 @@ import bisect
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ._attention_triton import TritonAttention, TritonAttentionMetadata
+from ._graph_inputs import GraphInputs
 from .models.llama import KVCache, LlamaForCausalLM
 
 
@@ -64,12 +68,11 @@ class DecodeGraphs:
         self.sizes = tuple(sorted(sizes))
         self.max_size = self.sizes[-1]
         n = self.max_size
+        self.inputs = GraphInputs(n, max_blocks, device)  # ids, positions, slots, lengths
+        self.input_ids, self.positions = self.inputs.input_ids, self.inputs.positions
+        self.slots, self.seq_lens = self.inputs.slots, self.inputs.seq_lens
+        self.block_tables = self.inputs.block_tables
         with torch.device(device):
-            self.input_ids = torch.zeros(n, dtype=torch.int64)
-            self.positions = torch.zeros(n, dtype=torch.int64)
-            self.slots = torch.full((n,), -1, dtype=torch.int64)
-            self.seq_lens = torch.zeros(n, dtype=torch.int32)
-            self.block_tables = torch.zeros((n, max_blocks), dtype=torch.int32)
             self.query_start = torch.arange(n + 1, dtype=torch.int32)  # one token a sequence
             self.qblock_seq = torch.arange(n, dtype=torch.int32)
             self.qblock_first = torch.zeros(n, dtype=torch.int32)
@@ -123,27 +126,19 @@ class DecodeGraphs:
 
     def run(
         self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        seq_lens: torch.Tensor,
-        block_tables: torch.Tensor,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        seq_lens: np.ndarray,
+        block_tables: np.ndarray,
     ) -> torch.Tensor:
-        """Hidden states [B, hidden] of B decode tokens (inputs already on the device)."""
-        b = input_ids.shape[0]
+        """Hidden states [B, hidden] of B decode tokens (host arrays: they reach the static
+        buffers padded, in one copy, `GraphInputs.fill`)."""
+        b = len(input_ids)
         size = self.size_for(b)
         if size is None:
             raise ValueError(f"no CUDA graph for {b} sequences (largest: {self.max_size})")
-        self.input_ids[:b].copy_(input_ids, non_blocking=True)
-        self.positions[:b].copy_(positions, non_blocking=True)
-        self.slots[:b].copy_(slots, non_blocking=True)
-        self.seq_lens[:b].copy_(seq_lens, non_blocking=True)
-        self.block_tables[:b, : block_tables.shape[1]].copy_(block_tables, non_blocking=True)
-        if size > b:
-            self.input_ids[b:size].zero_()
-            self.positions[b:size].zero_()
-            self.slots[b:size].fill_(-1)
-            self.seq_lens[b:size].zero_()
+        self.inputs.fill(size, input_ids, positions, slots, seq_lens, block_tables)
         captured = self.graphs[size]
         self.num_runs += 1
         if captured is None:  # off CUDA: the same buffers, eagerly

@@ -405,12 +405,12 @@ class ModelRunner:
         )
         if path is Path.GRAPH:
             assert self.graphs is not None
-            return self.graphs.run(
-                self._tensor(inputs.input_ids),
-                self._tensor(positions),
-                self._tensor(inputs.slots),
-                self._tensor(inputs.context_lens.astype(np.int32)),
-                self._tensor(self._block_table(inputs)),
+            return self.graphs.run(  # host arrays: one pinned copy into the graphs' inputs
+                inputs.input_ids,
+                positions,
+                inputs.slots,
+                inputs.context_lens,
+                self._block_table(inputs),
             )
         meta: StepAttention | QkvAttention
         if path is Path.C_ATTENTION:

@@ -52,3 +52,22 @@ def test_graphs_need_the_triton_backend(tiny_model_dir: Path) -> None:
     assert runner.graphs is None
     eager = make_runner(tiny_model_dir, attention_backend="triton", enforce_eager=True)
     assert eager.capture_cuda_graphs(off_cuda=True) == "cuda graphs: none (--enforce-eager)"
+
+
+def test_the_fused_kernels_over_padded_buffers_give_their_eager_tokens(
+    tiny_model_dir: Path,
+) -> None:
+    """CUDA's graphs run the fused kernels (`_fused_kernels`): over the padded static buffers
+    (slot -1 rows: the rotary kernel writes no K/V) they give the fused eager path's tokens."""
+    prompts = [list(range(60 + 7 * i, 60 + 7 * i + 3 + 5 * i)) for i in range(3)]
+    runs = {}
+    for graphs in (False, True):
+        runner = make_runner(tiny_model_dir, attention_backend="triton", max_num_seqs=4)
+        assert runner.model is not None
+        runner.model.use_fused()
+        if graphs:
+            runner.capture_cuda_graphs(off_cuda=True)
+        requests = [DriverRequest(i, p, max_tokens=4) for i, p in enumerate(prompts)]
+        Driver(runner, 64).run(requests)
+        runs[graphs] = [r.output for r in requests]
+    assert runs[True] == runs[False]
