@@ -17,6 +17,7 @@ _LAZY = {
     "LLM": "trillm.engine.client._llm",
     "RequestOutput": "trillm.engine.client._request_output",
     "CompletionOutput": "trillm.engine.client._request_output",
+    "EmbeddingRequestOutput": "trillm.engine.client._request_output",
     "LLMConfig": "trillm.engine.client._config",
     "PromptTooLongError": "trillm.engine.client._errors",
     "SamplingParams": "trillm.engine.client._sampling_params",

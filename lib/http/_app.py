@@ -42,7 +42,7 @@ from ._generate import Generation
 from ._metrics import Metrics
 from ._offload import default_threads
 from ._lora_routes import LoraRoutes
-from ._pooling_api import PoolingAPI
+from ._pooling_api import Edge, PoolingAPI
 from ._rank import pinned_rank
 from ._responses_api import ResponsesAPI, ResponsesRequest
 from ._responses_store import ResponseStore
@@ -131,7 +131,9 @@ class App:
         self._item_routes = {"GET": self._get_response, "DELETE": self._delete_response}
         self.responses = ResponsesAPI(self.generation, ResponseStore(config.responses_store_size))
         self.messages = MessagesAPI(self.generation)
-        self._routes.update(PoolingAPI(self, config.served_model_name).routes())
+        edge = Edge(self._read_body, self._decode, self._admitted, self._check_model, self._respond)
+        pooling = PoolingAPI(edge, self.generation, config.served_model_name)
+        self._routes.update(pooling.routes())
         if config.enable_runtime_lora_updating:
             lora = LoraRoutes(llm, self._read_body, self._decode, self._respond)
             self._routes.update(lora.routes())

@@ -9,6 +9,9 @@ as vLLM computes them for an embedding model.
 
 Prefix caching: LAST pooling reuses cached prefix blocks and computes only the rest; MEAN,
 CLS and ALL read every position's hidden state, so they compute the whole input.
+
+A client that disconnects (or a drain deadline) cancels the request's encodes, which abort
+their engine requests, under the same `RequestScope` as generation.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import msgspec
@@ -50,31 +54,36 @@ S = TypeVar("S")
 _encoder = msgspec.json.Encoder()
 
 
-class Host(Protocol):
-    """What the routes need of the app (`_app.App`): its body reading, decoding, admission,
-    model check and response, so that a pooling request is read and admitted as any other."""
+class Decode(Protocol):
+    async def __call__(self, body: bytes, kind: type[S], /) -> S: ...
 
-    llm: AsyncLLM
-    metrics: Metrics
-    generation: Any  # `_generate.Generation`: its tokenizer threads (`inputs.offload`)
 
-    async def _read_body(self, scope: Scope, receive: Any) -> bytes: ...
-    async def _decode(self, body: bytes, kind: type[S]) -> S: ...
-    def _admitted(self) -> AbstractContextManager[Any]: ...
-    def _check_model(self, model: str | None) -> None: ...
-    async def _respond(
-        self, send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
-    ) -> None: ...
+@dataclass(frozen=True, slots=True)
+class Edge:
+    """The app's steps every route takes (`_app.App` hands its own): read the body, decode it,
+    admit the request (503 dead or draining, 429 full), check the model, respond. So a
+    pooling request is read and admitted as any other without reaching into the app."""
+
+    read_body: Callable[[Scope, Any], Awaitable[bytes]]
+    decode: Decode
+    admitted: Callable[[], AbstractContextManager[Any]]
+    check_model: Callable[[str | None], None]
+    respond: Callable[[Send, int, bytes, list[tuple[bytes, bytes]]], Awaitable[None]]
 
 
 class PoolingAPI:
-    """The pooling routes of one app; `routes()` goes into its route table."""
+    """The pooling routes of one app; `routes()` goes into its route table.
 
-    def __init__(self, host: Host, served_model_name: str) -> None:
-        self.host = host
-        self.llm = host.llm
+    `generation` (`_generate.Generation`) lends its tokenizer threads, its metrics and its
+    request scope (disconnects, the drain deadline)."""
+
+    def __init__(self, edge: Edge, generation: Any, served_model_name: str) -> None:
+        self.edge = edge
+        self.generation = generation
+        self.llm: AsyncLLM = generation.llm
+        self.metrics: Metrics = generation.metrics
         self.model = served_model_name
-        config = host.llm.config
+        config = self.llm.config
         self.pooler = load_pooler_config(config.engine.worker.model, config.pooler_config)
         self.hidden_size: int | None = None  # learnt from the first result
 
@@ -99,17 +108,20 @@ class PoolingAPI:
     async def _embed_route(
         self, scope: Scope, receive: Any, send: Send, extra: Any, kind: str
     ) -> None:
-        host = self.host
-        body = await host._read_body(scope, receive)
-        with host._admitted() as held:
-            request = await host._decode(body, EmbeddingRequest)
-            host._check_model(request.model)
+        edge = self.edge
+        body = await edge.read_body(scope, receive)
+        with edge.admitted() as held:
+            request = await edge.decode(body, EmbeddingRequest)
+            edge.check_model(request.model)
             prompts = inputs(request.input)
             held.grow(len(prompts), what=f"{len(prompts)} inputs", param="input")
             check_positive(request.dimensions, "dimensions")
             check_positive(request.truncate_prompt_tokens, "truncate_prompt_tokens")
             self._check_dimensions(request.dimensions)
-            outputs = await self._encode(prompts, "input", request.truncate_prompt_tokens)
+            async with self.generation.running(receive) as watch:
+                outputs = await self._encode(prompts, "input", request.truncate_prompt_tokens)
+            if self._gone(watch):
+                return
             self._check_dimensions(request.dimensions)
             normalize = self.pooler.normalize if request.normalize is None else request.normalize
             data = []
@@ -122,14 +134,14 @@ class PoolingAPI:
                 data.append({"index": i, "object": kind, key: value})
             tokens = self._count(kind, outputs)
             answer = list_response(data, self.model, tokens, f"embd-{uuid.uuid4().hex}")
-        await host._respond(send, 200, _encoder.encode(answer), extra)
+        await edge.respond(send, 200, _encoder.encode(answer), extra)
 
     async def _score(self, scope: Scope, receive: Any, send: Send, extra: Any) -> None:
-        host = self.host
-        body = await host._read_body(scope, receive)
-        with host._admitted() as held:
-            request = await host._decode(body, ScoreRequest)
-            host._check_model(request.model)
+        edge = self.edge
+        body = await edge.read_body(scope, receive)
+        with edge.admitted() as held:
+            request = await edge.decode(body, ScoreRequest)
+            edge.check_model(request.model)
             firsts = _texts(request.text_1, "text_1")
             seconds = _texts(request.text_2, "text_2")
             if len(firsts) != 1 and len(firsts) != len(seconds):
@@ -142,28 +154,34 @@ class PoolingAPI:
             held.grow(len(firsts) + len(seconds), what="texts", param="text_2")
             check_positive(request.truncate_prompt_tokens, "truncate_prompt_tokens")
             cut = request.truncate_prompt_tokens
-            left = await self._encode(list(firsts), "text_1", cut)
-            right = await self._encode(list(seconds), "text_2", cut)
+            async with self.generation.running(receive) as watch:
+                left = await self._encode(list(firsts), "text_1", cut)
+                right = await self._encode(list(seconds), "text_2", cut)
+            if self._gone(watch):
+                return
             scores = _cosines([left[0]] * len(right) if len(left) == 1 else left, right)
             data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
             tokens = self._count("score", [*left, *right])
             answer = list_response(data, self.model, tokens, f"score-{uuid.uuid4().hex}")
-        await host._respond(send, 200, _encoder.encode(answer), extra)
+        await edge.respond(send, 200, _encoder.encode(answer), extra)
 
     async def _rerank(self, scope: Scope, receive: Any, send: Send, extra: Any) -> None:
-        host = self.host
-        body = await host._read_body(scope, receive)
-        with host._admitted() as held:
-            request = await host._decode(body, RerankRequest)
-            host._check_model(request.model)
+        edge = self.edge
+        body = await edge.read_body(scope, receive)
+        with edge.admitted() as held:
+            request = await edge.decode(body, RerankRequest)
+            edge.check_model(request.model)
             query = _texts(request.query, "query")
             documents = _texts(request.documents, "documents")
             held.grow(1 + len(documents), what="1 query + documents", param="documents")
             check_positive(request.top_n, "top_n")
             check_positive(request.truncate_prompt_tokens, "truncate_prompt_tokens")
             cut = request.truncate_prompt_tokens
-            left = await self._encode(list(query), "query", cut)
-            right = await self._encode(list(documents), "documents", cut)
+            async with self.generation.running(receive) as watch:
+                left = await self._encode(list(query), "query", cut)
+                right = await self._encode(list(documents), "documents", cut)
+            if self._gone(watch):
+                return
             scores = _cosines([left[0]] * len(right), right)
             order = sorted(range(len(scores)), key=lambda i: -scores[i])[: request.top_n]
             results = [
@@ -181,9 +199,18 @@ class PoolingAPI:
             "usage": {"total_tokens": tokens},
             "results": results,
         }
-        await host._respond(send, 200, _encoder.encode(answer), extra)
+        await edge.respond(send, 200, _encoder.encode(answer), extra)
 
     # -- helpers -------------------------------------------------------------------------
+
+    def _gone(self, watch: trio.CancelScope) -> bool:
+        """Whether the request's scope was cancelled: True if its client went away (nobody to
+        answer); the drain deadline is a 503."""
+        if not watch.cancelled_caught:
+            return False
+        if self.generation.draining:
+            raise RequestError(503, "the server is shutting down", "server_error")
+        return True
 
     async def _encode(
         self, prompts: list[Prompt], field: str, truncate_prompt_tokens: int | None
@@ -191,7 +218,7 @@ class PoolingAPI:
         """Every prompt as one pooling request, all at once (they batch in the engine)."""
         results: list[PoolingOutput | None] = [None] * len(prompts)
         errors: list[Exception] = []  # the first refusal is the answer (not a group of them)
-        offload = self.host.generation.inputs.offload.run
+        offload = self.generation.inputs.offload.run
 
         async def one(i: int, prompt: Prompt) -> None:
             size = len(prompt)
@@ -233,7 +260,7 @@ class PoolingAPI:
 
     def _count(self, endpoint: str, outputs: Sequence[PoolingOutput]) -> int:
         tokens = sum(o.num_prompt_tokens for o in outputs)
-        self.host.metrics.observe_pooling(endpoint, len(outputs), tokens)
+        self.metrics.observe_pooling(endpoint, len(outputs), tokens)
         return tokens
 
 

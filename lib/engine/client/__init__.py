@@ -39,6 +39,8 @@ from ._prompt_embeds import PromptEmbeds as PromptEmbeds
 from ._prompt_embeds import PromptEmbedsError as PromptEmbedsError
 from ._regex_size import MAX_REGEX_OPTIONALS as MAX_REGEX_OPTIONALS
 from ._request_output import CompletionOutput as CompletionOutput
+from ._request_output import EmbeddingOutput as EmbeddingOutput
+from ._request_output import EmbeddingRequestOutput as EmbeddingRequestOutput
 from ._request_output import Logprob as Logprob
 from ._request_output import RequestOutput as RequestOutput
 from ._restarts import RestartPolicy as RestartPolicy

@@ -280,7 +280,8 @@ class AsyncLLM:
         limit = self.ready.max_model_len
 
         def checked() -> list[int]:
-            ids = self._inputs.tokenize(prompt)
+            cut = truncate_prompt_tokens is not None
+            ids = self._inputs.tokenize(prompt, will_truncate=cut)
             if truncate_prompt_tokens is not None:
                 ids = ids[-truncate_prompt_tokens:]
             if len(ids) > limit:

@@ -39,16 +39,19 @@ class InputProcessor:
         self._backend = tokenizer.backend_tokenizer
         self._chat_template = chat_template  # a template's text, else the tokenizer's own
 
-    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+    def tokenize(self, prompt: str | Sequence[int], *, will_truncate: bool = False) -> list[int]:
         """`prompt` as token ids (text is tokenised; ids are checked against the vocabulary).
+        `will_truncate`: the caller keeps only the last tokens, so a text too long for the
+        model is tokenised whole rather than refused by its head.
 
         Raises:
             InvalidPromptError: an empty prompt or a token id outside the vocabulary.
             PromptTooLongError: the text's head alone has more tokens than the model holds
-                (its `param` is "prompt").
+                (its `param` is "prompt"), unless `will_truncate`.
         """
         if isinstance(prompt, str):
-            self._refuse_if_head_too_long(prompt, add_special_tokens=True)
+            if not will_truncate:
+                self._refuse_if_head_too_long(prompt, add_special_tokens=True)
             ids: list[int] = self.tokenizer(prompt)["input_ids"]
         else:
             ids = list(prompt)

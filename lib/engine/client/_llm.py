@@ -8,7 +8,8 @@ It runs the server's engine process and rings through `SyncEngineClient` (blocki
 timeouts, no trio), and the frontend's per-record pieces as they are: `InputProcessor`,
 `OutputProcessor` (detokeniser, stop strings), `SamplingParams.child_options`. A batch is
 checked whole, sent whole, then pumped until every request finished, with a tqdm bar over
-requests; results come back in prompt order.
+requests; results come back in prompt order. `embed` runs pooling requests (prefill only, as
+`AsyncLLM.encode`) through the same loop.
 """
 
 from __future__ import annotations
@@ -24,12 +25,20 @@ from typing import Any
 import trio
 from tqdm import tqdm  # type: ignore[import-untyped]
 
+from ...wire import PoolingType, SamplingOptions
 from ._engine_args import offline_config
-from ._errors import EngineDeadError
+from ._errors import EngineDeadError, PromptTooLongError
 from ._input_processor import InputProcessor
 from ._output_processor import OutputProcessor, RequestState
 from ._outputs import Mailbox
-from ._request_output import RequestOutput, completion_output, prompt_logprobs
+from ._pooling import PoolerConfig, finish_embedding, load_pooler_config
+from ._request_output import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    completion_output,
+    prompt_logprobs,
+)
 from ._sampling_params import SamplingParams
 from ._sync_client import SyncEngineClient
 from ._tokenizer import load_tokenizer
@@ -48,6 +57,7 @@ class _Request:
     mailbox: Mailbox
     states: list[RequestState]
     unfinished: int
+    pooling: PoolingType = PoolingType.NONE  # NONE: a generation
 
 
 class LLM:
@@ -96,6 +106,7 @@ class LLM:
             self._client.shutdown(0, drain=False)
             raise
         self._inputs = InputProcessor(tokenizer, ready, template)
+        self._pooler: PoolerConfig | None = None  # read from the model folder at first embed
 
     # -- requests --------------------------------------------------------------------------
 
@@ -121,7 +132,12 @@ class LLM:
         """
         items = _as_list(prompts)
         inputs = [self._tokenize(p) for p in items]
-        return self._run(inputs, self._params(sampling_params, len(items)), use_tqdm)
+        params = self._params(sampling_params, len(items))
+        requests = [
+            self._request(text, ids, p) for (text, ids), p in zip(inputs, params, strict=True)
+        ]
+        self._run(requests, use_tqdm)
+        return [self._result(request) for request in requests]
 
     def chat(
         self,
@@ -140,26 +156,97 @@ class LLM:
         one = bool(messages) and isinstance(messages[0], Mapping)
         conversations: Sequence[Conversation] = [messages] if one else messages  # type: ignore[list-item,assignment]
         texts = [self._inputs.render_chat(list(c)) for c in conversations]
-        inputs: list[tuple[str | None, list[int]]] = [
-            (text, self._inputs.chat_ids(text)) for text in texts
+        params = self._params(sampling_params, len(texts))
+        requests = [
+            self._request(text, self._inputs.chat_ids(text), p)
+            for text, p in zip(texts, params, strict=True)
         ]
-        return self._run(inputs, self._params(sampling_params, len(inputs)), use_tqdm)
+        self._run(requests, use_tqdm)
+        return [self._result(request) for request in requests]
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed every prompt (as vLLM's `LLM.embed`): one prefill-only pooling request each,
+        pooled as the model's sentence-transformers files or `pooler_config` say (else the
+        last token, normalised); one `EmbeddingRequestOutput` per prompt, in order.
+
+        Args:
+            truncate_prompt_tokens: keep only each prompt's last this many tokens.
+            dimensions: cut each vector to its first this many (Matryoshka), then normalise.
+            normalize: override the pooler's normalisation.
+
+        Raises:
+            PromptTooLongError: a prompt longer than the model's maximum length (cut it with
+                `truncate_prompt_tokens`); nothing of the batch was sent.
+            ValueError: `truncate_prompt_tokens` or `dimensions` below 1.
+            EngineDeadError: the engine died.
+        """
+        for name, value in (
+            ("truncate_prompt_tokens", truncate_prompt_tokens),
+            ("dimensions", dimensions),
+        ):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if self._pooler is None:
+            self._pooler = load_pooler_config(
+                self.config.engine.worker.model, self.config.pooler_config
+            )
+        pooler, limit = self._pooler, self._inputs.ready.max_model_len
+        requests = []
+        for prompt in _as_list(prompts):
+            text, ids = self._tokenize(prompt, will_truncate=truncate_prompt_tokens is not None)
+            if truncate_prompt_tokens is not None:
+                ids = ids[-truncate_prompt_tokens:]
+            if len(ids) > limit:
+                raise PromptTooLongError(
+                    f"a prompt has {len(ids)} tokens, more than the model's maximum length "
+                    f"{limit}: shorten it, or set truncate_prompt_tokens to cut it",
+                    "prompt",
+                )
+            params = SamplingParams()
+            requests.append(_Request(text, ids, params, 1, Mailbox(), [], 1, pooler.pooling_type))
+        self._run(requests, use_tqdm)
+        keep_unit = pooler.normalize if normalize is None else normalize
+        results = []
+        for request in requests:
+            rows = request.mailbox.pending[0].pooled
+            if rows is None:
+                raise RuntimeError("a pooling request ended without its rows (an engine bug)")
+            vector = finish_embedding(rows, normalize=keep_unit, dimensions=dimensions)[0]
+            results.append(
+                EmbeddingRequestOutput(
+                    str(next(self._request_ids)),
+                    request.token_ids,
+                    EmbeddingOutput(vector.tolist()),
+                )
+            )
+        return results
 
     def get_tokenizer(self) -> Any:
         """The model's Hugging Face tokenizer."""
         return self._inputs.tokenizer
 
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def _tokenize(
+        self, prompt: Prompt, *, will_truncate: bool = False
+    ) -> tuple[str | None, list[int]]:
         self._check_open()
+        tokenize = self._inputs.tokenize
         if isinstance(prompt, str):
-            return prompt, self._inputs.tokenize(prompt)
+            return prompt, tokenize(prompt, will_truncate=will_truncate)
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._inputs.tokenize(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), tokenize(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                return prompt["prompt"], self._inputs.tokenize(prompt["prompt"])
+                return prompt["prompt"], tokenize(prompt["prompt"], will_truncate=will_truncate)
             raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got {prompt!r}")
-        return None, self._inputs.tokenize(prompt)
+        return None, tokenize(prompt)
 
     @staticmethod
     def _params(
@@ -174,17 +261,10 @@ class LLM:
             )
         return list(given)
 
-    def _run(
-        self,
-        inputs: list[tuple[str | None, list[int]]],
-        params: list[SamplingParams],
-        use_tqdm: bool,
-    ) -> list[RequestOutput]:
+    def _run(self, requests: list[_Request], use_tqdm: bool) -> None:
+        """Send every request, then pump until each ended (its outputs in its mailbox)."""
         self._check_open()
         self._client.check_alive()
-        requests = [
-            self._request(text, ids, p) for (text, ids), p in zip(inputs, params, strict=True)
-        ]
         open_rnums: dict[int, _Request] = {}  # rnum -> its request, until that child ends
         processor = self._processor
         with tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm) as bar:
@@ -214,7 +294,6 @@ class LLM:
                     )
             finally:
                 self._abandon(list(open_rnums))
-        return [self._result(request) for request in requests]
 
     def _request(self, text: str | None, ids: list[int], params: SamplingParams) -> _Request:
         """A request checked whole before anything of its batch is sent."""
@@ -238,7 +317,11 @@ class LLM:
             request.states.append(state)
             self._processor.add(state)
             open_rnums[rnum] = request
-            options = request.params.child_options(index, vocab_size=vocab)
+            options = (
+                SamplingOptions(pooling=int(request.pooling))
+                if request.pooling
+                else request.params.child_options(index, vocab_size=vocab)
+            )
             salt = request.params.cache_salt or ""
             self._client.send_add(
                 rnum, options, request.max_tokens, request.token_ids, cache_salt=salt

@@ -1,5 +1,6 @@
-"""What `LLM.generate` returns, shaped like vLLM's `RequestOutput` / `CompletionOutput`, so code
-written against `vllm.LLM` reads trillm's results unchanged.
+"""What `LLM.generate` and `LLM.embed` return, shaped like vLLM's `RequestOutput` /
+`CompletionOutput` / `EmbeddingRequestOutput`, so code written against `vllm.LLM` reads
+trillm's results unchanged.
 
 Logprobs follow vLLM: per generated token, a dict from token id to `Logprob` (the sampled
 token first, then the top alternatives), `rank` 1 for the best; `cumulative_logprob` is the
@@ -54,6 +55,27 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One prompt's embedding (cut to `dimensions` and normalised as asked), vLLM's shape."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt, as vLLM's: `outputs.embedding` is the vector."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
 
 
 def completion_output(output: Output, decode: Callable[[int], str]) -> CompletionOutput:

@@ -16,17 +16,26 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
+import torch
+import transformers
 import trio
 
-from trillm import LLM, CompletionOutput, RequestOutput
+from trillm import LLM, CompletionOutput, EmbeddingRequestOutput, RequestOutput
 from trillm.engine import EngineConfig, EngineDeadError, EngineStartError, LLMConfig, open_llm
-from trillm.engine.client import SamplingParams, SamplingParamsError
+from trillm.engine.client import (
+    PoolingType,
+    PromptTooLongError,
+    SamplingParams,
+    SamplingParamsError,
+)
 from trillm.gpu import WorkerConfig
 
 from ...gpu.conftest import save_tiny
 from ...http.conftest import start_server
 from ...procs import children, is_dead
+from .test_pooling import reference
 
 pytestmark = pytest.mark.timeout(180)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -89,6 +98,30 @@ def test_results_come_in_order_with_the_tokens_of_async_llm(llm: LLM, tiny_dir: 
     assert alone[0].outputs[0].token_ids == results[3].outputs[0].token_ids
     tokens = {"prompt_token_ids": PROMPTS[1]}
     assert llm.generate([tokens], GREEDY)[0].outputs[0].token_ids == results[1].outputs[0].token_ids
+
+
+def test_embed_gives_transformers_embeddings_in_vllms_shape(llm: LLM, tiny_dir: Path) -> None:
+    model = transformers.AutoModel.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    tokenizer = llm.get_tokenizer()
+    results = llm.embed(PROMPTS, use_tqdm=False)
+    assert all(isinstance(r, EmbeddingRequestOutput) and r.finished for r in results)
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        ids = tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+        assert result.prompt_token_ids == ids
+        want = reference(model, ids, PoolingType.LAST)[0]  # LAST and normalised: no ST files
+        got = np.asarray(result.outputs.embedding)
+        assert got @ want / np.linalg.norm(want) > 0.9999 and abs(np.linalg.norm(got) - 1) < 1e-5
+    (cut,) = llm.embed(PROMPTS[4], dimensions=8, truncate_prompt_tokens=4, use_tqdm=False)
+    (tail,) = llm.embed([results[4].prompt_token_ids[-4:]], normalize=False, use_tqdm=False)
+    assert cut.outputs.hidden_size == 8 and abs(np.linalg.norm(cut.outputs.embedding) - 1) < 1e-5
+    want = np.asarray(tail.outputs.embedding[:8])
+    assert np.allclose(cut.outputs.embedding, want / np.linalg.norm(want), atol=1e-5)
+    with pytest.raises(PromptTooLongError, match=r"513 tokens, more than .* 512"):
+        llm.embed([[5] * 513], use_tqdm=False)
+    with pytest.raises(ValueError, match="dimensions must be at least 1, got 0"):
+        llm.embed("hi", dimensions=0)
+    # generation goes on beside it on the same engine
+    assert len(llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
 
 
 def test_greedy_text_of_100_prompts_equals_the_servers_in_order(llm: LLM, tiny_dir: Path) -> None:

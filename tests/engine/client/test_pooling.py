@@ -140,6 +140,13 @@ async def test_too_long_is_refused_unless_cut(tmp_path: Path) -> None:
         full = await llm.encode(list(range(3, 35)))  # exactly max_model_len: no output needed
         cut = await llm.encode(list(range(1, 35)), truncate_prompt_tokens=32)
         assert cut.num_prompt_tokens == 32 and np.allclose(cut.data, full.data, atol=1e-5)
+        # A text whose characters alone are over the cap is cut, not refused by its head.
+        text = "the quick brown fox " * 100
+        with pytest.raises(PromptTooLongError, match="more than the model's maximum length"):
+            await llm.encode(text)
+        cut = await llm.encode(text, truncate_prompt_tokens=16)
+        tail = await llm.encode(llm.tokenizer(text)["input_ids"][-16:])
+        assert cut.num_prompt_tokens == 16 and np.allclose(cut.data, tail.data, atol=1e-5)
         assert llm.num_request_states == 0
 
 
