@@ -233,3 +233,41 @@ def count_decode(runner: Any, batch: int, context: int, steps: int) -> dict[str,
         **first,
         "cuda_profiler": profiled[0] if profiled else None,
     }
+
+
+def count_mixed(runner: Any, batch: int, context: int, prompt: int) -> dict[str, Any]:
+    """Launches of a mixed step: `batch` sequences decoding (after their `context`-token
+    prefill) beside a new prompt of `prompt` tokens prefilled whole, the step CUDA runs eager
+    (no graph takes it). CPU counts only."""
+    import numpy as np
+
+    from tests.gpu.driver import Driver, DriverRequest
+    from trillm.gpu import StepBatch
+
+    execute, model = runner.execute, runner.model
+    counts: list[dict[str, Any]] = []
+    calls = [0]
+
+    def counted(step: StepBatch, *rest: Any) -> Any:
+        calls[0] += 1
+        if calls[0] != 2:  # the first step prefills the decoders; the second is mixed
+            return execute(step, *rest)
+        out: list[Any] = []
+        counts.append(count_step(model, lambda: out.append(execute(step, *rest))))
+        return out[0]
+
+    vocab = runner.model_config.vocab_size
+    g = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(100, vocab - 1, (batch + 1, max(context, prompt)), generator=g)
+    requests = [DriverRequest(60_000 + i, prompts[i, :context].tolist(), 3) for i in range(batch)]
+    requests.append(
+        DriverRequest(60_000 + batch, prompts[batch, :prompt].tolist(), 2, arrival_step=1)
+    )
+    runner.execute = counted
+    try:
+        Driver(runner, runner.kv_caches[0][0].shape[0]).run(requests)
+    finally:
+        runner.execute = execute
+    rnums = np.array([r.rnum for r in requests], np.uint64)
+    execute(StepBatch(10**6, finished_rnums=rnums))
+    return {"batch": batch, "context": context, "prompt": prompt, **counts[0]}

@@ -492,7 +492,7 @@ def table(result: dict[str, Any]) -> list[str]:
 
 def count_launches(args: argparse.Namespace, device: torch.device, tmp: Path) -> dict[str, Any]:
     """Kernels per eager decode step (and per graph replay on CUDA) of each model's layers."""
-    from _launch_count import count_decode
+    from _launch_count import count_decode, count_mixed
 
     backend = "triton" if args.attention_backend == "auto" else args.attention_backend
     on_cuda = device.type == "cuda"
@@ -526,6 +526,10 @@ def count_launches(args: argparse.Namespace, device: torch.device, tmp: Path) ->
             if fused is not None:
                 runner.model.use_fused(fused)
             row[mode] = [count_decode(runner, b, context, steps) for b in batches]
+            if eager:  # item 3: a mixed step (decodes beside a prompt) runs eager on CUDA too
+                row[f"{mode}_mixed"] = count_mixed(
+                    runner, max(1, batches[-1] - 1), context, context // 2
+                )
             del runner
             free_memory(device)
         models.append(row)
@@ -552,6 +556,15 @@ def launches_table(result: dict[str, Any]) -> list[str]:
                     f"{c['syncs']:>5}  {c['same_every_step']!s:>9}  "
                     f"{prof['kernels'] if prof else '-':>14}  "
                     f"{graph_prof['kernels'] if graph_prof else '-':>15}"
+                )
+    for m in result["launches"]:
+        for mode in ("eager", "fused"):
+            c = m.get(f"{mode}_mixed")
+            if c is not None:
+                lines.append(
+                    f"{m['model']:<14} {mode:<6} mixed step ({c['batch']} decodes + a "
+                    f"{c['prompt']}-token prompt): {c['per_step']} launches, "
+                    f"{c['per_layer']} a layer, {c['outside_layers']} outside"
                 )
     first_model = result["launches"][0]
     for mode in ("eager", "fused"):

@@ -53,3 +53,7 @@ def test_a_decode_step_is_its_layers_and_the_rest(tmp_path: Path) -> None:
     assert fused["layer_ops"]["triton._silu_mul_kernel"] == 1
     assert "triton._write_kv_kernel" not in fused["layer_ops"]  # rotary writes the cache
     assert fused["per_step"] == fused["per_layer"] * model["layers"] + fused["outside_layers"]
+    # a mixed step (decodes beside a prompt, eager on CUDA): the same kernels a layer
+    for mode, step in (("eager", model["eager"][0]), ("fused", fused)):
+        mixed = model[f"{mode}_mixed"]
+        assert mixed["prompt"] == 16 and mixed["per_layer"] == step["per_layer"]
