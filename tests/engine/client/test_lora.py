@@ -196,3 +196,39 @@ async def test_a_bad_adapter_at_start_up_fails_the_start_naming_it(
     with pytest.raises(EngineStartError, match=r"LoRA adapter 'broken': unsupported target"):
         async with open_llm(cfg):
             pass
+
+
+@pytest.mark.slow
+async def test_tensor_parallel_2_equals_1(
+    tiny: Path, adapters: dict[str, Path], expected: dict[tuple[str | None, int], list[int]]
+) -> None:
+    """A sharded as vLLM (column layers split B, row layers split A), every rank loading the
+    adapters: TP 2 gives TP 1's (peft's) tokens, adapters mixed in one batch."""
+    base = config(tiny, modules(adapters, "a", "d"), in_process=False)
+    tp2 = LLMConfig(
+        EngineConfig(worker=base.engine.worker, lora_modules=base.engine.lora_modules,
+                     tensor_parallel_size=2),
+        start_timeout=240,
+    )  # fmt: skip
+    async with open_llm(tp2) as llm:
+        with trio.fail_after(240):
+            jobs = [(name, i) for name in (None, "a", "d") for i in range(2)]
+            got = await run_all(llm, jobs)
+            await llm.load_lora_adapter("b", str(adapters["b"]))  # at run time, on both ranks
+            got["b", 0] = await tokens(llm, "b", 0)
+    assert got == {job: expected[job] for job in [*jobs, ("b", 0)]}
+
+
+async def test_the_default_model_with_an_adapter_equals_peft(tmp_path: Path) -> None:
+    from trillm.default_model import default_model_dir
+
+    model = Path(default_model_dir(progress=False))
+    path = make_adapter(model, tmp_path / "smol", seed=7, r=16, scale=0.3)
+    want = merged_greedy(model, path, PROMPTS[0], N)
+    base = merged_greedy(model, None, PROMPTS[0], N)
+    cfg = config(model, [LoraModule("smol", str(path))], max_model_len=256, kv_cache_bytes=1 << 26)
+    async with open_llm(cfg) as llm:
+        with trio.fail_after(120):
+            got = await run_all(llm, [("smol", 0), (None, 0)])
+    assert want != base  # the adapter changes the tokens
+    assert (got["smol", 0], got[None, 0]) == (want, base)

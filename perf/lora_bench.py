@@ -1,0 +1,173 @@
+"""LoRA adapters against the base model, one engine, one run (issue 30, item 5).
+
+    .venv/bin/python perf/lora_bench.py [--rounds 3] [--tokens 64] [--threads N] [--json FILE]
+
+On the default model (SmolLM2-135M), with `--enable-lora --max-loras 4 --max-lora-rank 16`
+and four random rank-16 adapters of every target (q/k/v/o, gate/up/down):
+- output tokens per second at concurrency 32 (32-token prompts, `--tokens` greedy tokens
+  each), the requests spread over the four adapters (8 each), against the same load on the
+  base model alone (goal >= 0.75x);
+- the cost of a load into a slot: copying one adapter, already in host memory, into a device
+  slot of every layer (`LoraManager`, in this process), in ms;
+- time per output token at concurrency 1 with one adapter against the base (goal <= 1.25x).
+Base and adapter runs alternate in rounds on one engine (in this process); medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import trio
+from safetensors.torch import save_file
+
+from trillm.config import WorkerConfig
+from trillm.default_model import default_model_dir
+from trillm.engine import EngineConfig, LLMConfig, open_llm
+from trillm.engine.client import AsyncLLM
+from trillm.engine.client._sampling_params import SamplingParams
+from trillm.gpu import ModelRunner, TensorParallel, open_model
+from trillm.wire import LoraModule
+
+TARGETS = {
+    "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+}
+RANK, ADAPTERS, CONCURRENCY = 16, 4, 32
+
+
+def write_adapter(path: Path, model_dir: Path, seed: int) -> Path:
+    """A random rank-16 PEFT adapter of every target of the model in `model_dir`."""
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    d = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    shapes = {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for block, targets in TARGETS.items():
+            for target in targets:
+                fan_in, fan_out = shapes[target]
+                name = f"base_model.model.model.layers.{layer}.{block}.{target}"
+                tensors[f"{name}.lora_A.weight"] = torch.randn(RANK, fan_in, generator=generator)
+                tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, RANK, generator=generator)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v * 0.01 for k, v in tensors.items()}, str(path / "adapter_model.safetensors"))
+    peft = {"peft_type": "LORA", "r": RANK, "lora_alpha": 32, "target_modules": list(
+        TARGETS["self_attn"] + TARGETS["mlp"]), "bias": "none"}  # fmt: skip
+    (path / "adapter_config.json").write_text(json.dumps(peft))
+    return path
+
+
+async def throughput(llm: AsyncLLM, names: list[str | None], tokens: int) -> float:
+    """Output tokens per second of `len(names)` concurrent requests (request i: names[i])."""
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    started = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for i, name in enumerate(names):
+            prompt = list(range(1000 + 40 * i, 1032 + 40 * i))
+            nursery.start_soon(lambda p=prompt, n=name: llm.complete(p, params, lora_name=n))
+    return len(names) * tokens / (time.perf_counter() - started)
+
+
+async def tpot(llm: AsyncLLM, name: str | None, tokens: int) -> float:
+    """Median seconds between output tokens of one request alone."""
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    stamps = []
+    async with llm.generate(list(range(2000, 2032)), params, lora_name=name) as stream:
+        async for _ in stream:
+            stamps.append(time.perf_counter())
+    return statistics.median(np.diff(stamps[1:]).tolist())
+
+
+def slot_load_ms(model_dir: Path, adapter: Path, repeats: int = 20) -> float:
+    """Median ms to copy one adapter from host memory into a device slot (every layer)."""
+    config = WorkerConfig(str(model_dir), device="cpu", enable_lora=True, max_loras=2)
+    model_config, weights = open_model(config.model, config.load_format)
+    runner = ModelRunner(config, model_config, TensorParallel(), torch.device("cpu"))
+    runner.load_model(weights)
+    lora = runner.lora
+    assert lora is not None
+    lora.add(LoraModule("x", str(adapter), None, 1))
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        lora._load(0, 1)
+        times.append(time.perf_counter() - started)
+    return 1000 * statistics.median(times)
+
+
+async def main_async(args: argparse.Namespace, model_dir: Path, paths: list[Path]) -> dict:
+    modules = tuple(LoraModule(f"a{i}", str(p)) for i, p in enumerate(paths))
+    worker = WorkerConfig(
+        str(model_dir), device="cpu", enable_lora=True, max_loras=ADAPTERS, max_lora_rank=RANK
+    )
+    config = LLMConfig(EngineConfig(worker=worker, lora_modules=modules), in_process=True)
+    names = [f"a{i % ADAPTERS}" for i in range(CONCURRENCY)]
+    runs: dict[str, list[float]] = {k: [] for k in ("base", "lora", "tpot_base", "tpot_lora")}
+    async with open_llm(config) as llm:
+        await throughput(llm, [None, *names[:ADAPTERS]], 4)  # warm-up: every adapter in a slot
+        for _ in range(args.rounds):
+            runs["base"].append(await throughput(llm, [None] * CONCURRENCY, args.tokens))
+            runs["lora"].append(await throughput(llm, list(names), args.tokens))
+            runs["tpot_base"].append(await tpot(llm, None, args.tokens))
+            runs["tpot_lora"].append(await tpot(llm, "a0", args.tokens))
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    return {
+        "output_tok_s_c32_base": med["base"],
+        "output_tok_s_c32_4_adapters": med["lora"],
+        "throughput_ratio": med["lora"] / med["base"],
+        "tpot_c1_base_ms": 1000 * med["tpot_base"],
+        "tpot_c1_adapter_ms": 1000 * med["tpot_lora"],
+        "tpot_ratio": med["tpot_lora"] / med["tpot_base"],
+        "runs": runs,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch's CPU threads (0: its default, every core)"
+    )
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/trillm-lora-bench"))
+    args = parser.parse_args()
+    if args.threads:  # on a shared machine, 2 threads wait on each other in every small op
+        torch.set_num_threads(args.threads)
+    model_dir = Path(default_model_dir(progress=False))
+    paths = [write_adapter(args.dir / f"a{i}", model_dir, seed=i) for i in range(ADAPTERS)]
+    result = trio.run(main_async, args, model_dir, paths)
+    result["slot_load_ms"] = slot_load_ms(model_dir, paths[0])
+    r = result
+    print(
+        f"output tok/s at c={CONCURRENCY}: base {r['output_tok_s_c32_base']:.1f}, {ADAPTERS} "
+        f"adapters of rank {RANK} {r['output_tok_s_c32_4_adapters']:.1f} "
+        f"({r['throughput_ratio']:.2f}x; goal >= 0.75x)"
+    )
+    print(f"load into a slot: {r['slot_load_ms']:.2f} ms")
+    print(
+        f"TPOT at c=1: base {r['tpot_c1_base_ms']:.2f} ms, one adapter "
+        f"{r['tpot_c1_adapter_ms']:.2f} ms ({r['tpot_ratio']:.2f}x; goal <= 1.25x)"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
