@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
+from ._metrics_spec import SpecDecodeMetrics
 from ._metrics_vllm import VllmAliases
 
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
@@ -191,7 +192,8 @@ class Metrics:
         for endpoint in POOLING_ENDPOINTS:
             self.pooling_requests.labels(model_name, endpoint)
         self.pooling_prompt_tokens.labels(model_name)
-        r.register(VllmAliases(self._vllm_named))
+        self.spec_decode = SpecDecodeMetrics(r, model_name, num_engines)  # `_metrics_spec`
+        r.register(VllmAliases((*self._vllm_named, *self.spec_decode.vllm_named)))
 
     @property
     def _per_model(self) -> tuple[Histogram | Gauge | Counter, ...]:
@@ -302,7 +304,8 @@ class Metrics:
         Keys used: num_running, num_waiting, kv_usage (a fraction), num_free_blocks, and the
         engine's cumulative counts prefix_cache_queries, prefix_cache_hits (tokens), step and
         num_preemptions (a count lower than the last one means a new engine, counted from
-        zero). Missing keys leave their metric as it is.
+        zero), and speculative decoding's spec_* counts (`SpecDecodeMetrics`). Missing keys
+        leave their metric as it is.
         """
         name, index = self.model_name, str(engine)
         for key, gauge in (
@@ -326,6 +329,7 @@ class Metrics:
             last = self._last_engine_counters.get((engine, key), 0)
             counter.labels(name, index).inc(total - last if total >= last else total)
             self._last_engine_counters[(engine, key)] = total
+        self.spec_decode.update(stats, engine)
 
     def engine_gone(self, engine: int) -> None:
         """A dead engine holds no request: its load gauges read 0 (its counters stay)."""
