@@ -9,8 +9,9 @@ Two methods propose draft tokens that the target model then verifies in one step
   with the target's tokenizer, run by the same worker over its own KV cache, proposes k
   tokens greedily.
 
-`disable_by_batch_size` (both): no speculation in a step where more requests run than
-this. On a CPU a step costs about its tokens once the batch is large (the products are then
+`disable_by_batch_size` (both): no speculation in a step where more requests run or wait
+than this (vLLM counts the requests enqueued; a queue means the engine is at capacity, and
+drafts would spend compute the queued requests wait for). On a CPU a step costs about its tokens once the batch is large (the products are then
 compute-bound), so verifying k + 1 tokens per sequence that will mostly be rejected slows a
 full batch down; at batch 1 the weights' read dominates and extra tokens are nearly free.
 
@@ -59,9 +60,9 @@ class SpeculativeConfig:
     def is_ngram(self) -> bool:
         return self.method == "ngram"
 
-    def speculates(self, num_running: int) -> bool:
-        """Whether a step with `num_running` running requests proposes drafts."""
-        return num_running <= self.disable_by_batch_size
+    def speculates(self, num_requests: int) -> bool:
+        """Whether a step with `num_requests` requests running or waiting proposes drafts."""
+        return num_requests <= self.disable_by_batch_size
 
 
 def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:

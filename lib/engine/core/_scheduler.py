@@ -248,7 +248,8 @@ class Scheduler:
         budget = config.max_num_batched_tokens
         running = self.running
         spec = config.speculative
-        speculating = spec is not None and spec.speculates(len(running))
+        # Requests queued behind the running ones count: drafts spend compute they wait for.
+        speculating = spec is not None and spec.speculates(len(running) + len(self.waiting))
         # The draft model writes K/V of its drafts past each step (`gpu._draft_model`).
         lookahead = spec.num_speculative_tokens if speculating and spec and spec.model else 0
         draft_counts: list[int] = []  # per scheduled row: the drafts it verifies

@@ -4,7 +4,8 @@ The scheduler and the runner are stepped as the busy loop steps them; each reque
 are read from the step results, as the STEP record carries them. With speculation the
 tokens must equal those without (greedy; seeded random rows too, by the runner's rewind of
 their generators); the bookkeeping is checked where it can go wrong: rollback at block
-boundaries, preemption between a proposal and its verification, stops inside a run.
+boundaries, preemption between a proposal and its verification, stops inside a run (those
+are marked slow: each steps the runner through hundreds of tokens; `make test-slow`).
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ def test_greedy_tokens_are_the_same_with_ngram_speculation(runner: ModelRunner) 
     assert stats.num_accepted_tokens < stats.num_draft_tokens  # and rolled some back
 
 
+@pytest.mark.slow
 def test_seeded_and_penalised_random_rows_give_the_same_tokens(runner: ModelRunner) -> None:
     options = [
         SamplingOptions(temperature=0.8, seed=7),
@@ -147,6 +149,7 @@ def test_seeded_and_penalised_random_rows_give_the_same_tokens(runner: ModelRunn
     assert scheduler.spec_stats.num_draft_tokens > 0
 
 
+@pytest.mark.slow
 def test_max_tokens_and_stop_tokens_cut_inside_an_accepted_run(runner: ModelRunner) -> None:
     plain, _ = run(runner, PROMPTS, spec=None, max_tokens=50)
     stops = {r: [plain[r][7]] for r in range(len(PROMPTS))}  # ends at its 8th token or before
@@ -159,6 +162,7 @@ def test_max_tokens_and_stop_tokens_cut_inside_an_accepted_run(runner: ModelRunn
         assert stopped[rnum] == tokens[:end]
 
 
+@pytest.mark.slow
 def test_rollback_at_block_boundaries_caches_only_accepted_tokens(runner: ModelRunner) -> None:
     """Drafts of up to 7 tokens cross 8-token blocks on most steps; a rejected one must not
     leave its block hashed: a second run of the same prompts hits the prefix cache and must
@@ -186,6 +190,7 @@ def test_rollback_at_block_boundaries_caches_only_accepted_tokens(runner: ModelR
     assert {r - 100: t for r, t in tokens.items()} == reference
 
 
+@pytest.mark.slow
 def test_preemption_during_speculation_keeps_the_tokens(runner: ModelRunner) -> None:
     """14 blocks for 4 requests that grow to 6 blocks each: they preempt one another while
     drafts are pending; the outputs must not change."""
@@ -203,6 +208,27 @@ def test_disable_by_batch_size_turns_it_off(runner: ModelRunner) -> None:
     assert busy < alone.spec_stats.num_drafts
 
 
+def test_requests_waiting_count_toward_disable_by_batch_size() -> None:
+    def first_step(num_requests: int) -> int:
+        scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=64,
+                block_size=BLOCK,
+                max_num_seqs=1,  # one runs, the others wait
+                max_num_batched_tokens=64,
+                max_model_len=128,
+                speculative=parse_speculative_config(ngram(3, disable_by_batch_size=2)),
+            )
+        )
+        for rnum in range(num_requests):
+            scheduler.add_request(Request(rnum, [5, 6, 7], GREEDY, 8))
+        return scheduler.schedule().num_speculative_tokens
+
+    assert first_step(2) == 3
+    assert first_step(3) == 0
+
+
+@pytest.mark.slow
 def test_the_target_as_its_own_draft_model_accepts_every_draft(tiny_dir: Path) -> None:
     """A check of the draft model's bookkeeping (its KV under the target's block tables,
     the lookahead slots, catch-up after each step): drafting with the target itself, every
