@@ -46,6 +46,16 @@ def test_engine_death_settings_out_of_range_are_refused_before_starting() -> Non
     assert run.stderr == "trillm serve: --engine-death-grace must be >= 0 seconds, got -1.0\n"
 
 
+def test_a_bad_speculative_config_is_refused_before_starting_naming_the_field() -> None:
+    run = trillm("serve", "no-such-model", "--speculative-config", '{"method": "ngram"}')
+    assert run.returncode == 1
+    assert run.stderr == "trillm serve: --speculative-config num_speculative_tokens is required\n"
+    spec = '{"method": "ngram", "num_speculative_tokens": 2, "draft": 1}'
+    run = trillm("serve", "no-such-model", "--speculative-config", spec)
+    assert run.returncode == 1
+    assert "--speculative-config has unknown field 'draft'" in run.stderr
+
+
 def test_bench_serve_is_reachable_from_the_cli() -> None:
     run = trillm("bench", "serve", "--help")
     assert run.returncode == 0 and "--request-rate" in run.stdout and "--goodput" in run.stdout
