@@ -16,6 +16,7 @@ their engine requests, under the same `RequestScope` as generation.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -29,6 +30,7 @@ import trio
 from ..engine.client import (
     AsyncLLM,
     InvalidPromptError,
+    PoolerConfig,
     PoolingOutput,
     PromptTooLongError,
     finish_embedding,
@@ -83,9 +85,14 @@ class PoolingAPI:
         self.llm: AsyncLLM = generation.llm
         self.metrics: Metrics = generation.metrics
         self.model = served_model_name
-        config = self.llm.config
-        self.pooler = load_pooler_config(config.engine.worker.model, config.pooler_config)
         self.hidden_size: int | None = None  # learnt from the first result
+
+    @functools.cached_property
+    def pooler(self) -> PoolerConfig:
+        """The pooler's settings, read at the first pooling request (the app is built before
+        any request, in tests without an engine)."""
+        config = self.llm.config
+        return load_pooler_config(config.engine.worker.model, config.pooler_config)
 
     def routes(self) -> dict[tuple[str, str], Handler]:
         return {

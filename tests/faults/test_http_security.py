@@ -27,7 +27,7 @@ from trillm.cli import build_parser
 from trillm.http._app import App, ServeConfig
 from trillm.http._errors import RequestError
 from trillm.http._metrics import Metrics
-from trillm.http._requests import ChatCompletionRequest, CompletionRequest
+from trillm.http._requests import ChatCompletionRequest, CompletionRequest, template_kwargs
 
 from ..http.conftest import Server
 from ..procs import children
@@ -179,8 +179,12 @@ def test_no_pickle_or_code_execution_in_the_request_path() -> None:
     assert offences == []
     # A client cannot send a chat template (it would be code, even in jinja's sandbox); tools
     # are data the server renders itself (`_tools.tool_system_prompt`), never template code.
+    # chat_template_kwargs are variables (data the template prints), and may not name the
+    # template call's own arguments: a chat_template among them is a 400.
     for kind in (CompletionRequest, ChatCompletionRequest):
-        assert not {"chat_template", "chat_template_kwargs"} & set(kind.__struct_fields__)
+        assert "chat_template" not in kind.__struct_fields__
+    with pytest.raises(RequestError, match="may not set 'chat_template'"):
+        template_kwargs({"chat_template": "{{ 7 * 7 }}"})
 
 
 def test_template_syntax_in_a_message_stays_text(server: Server) -> None:
