@@ -11,9 +11,10 @@ Two methods propose draft tokens that the target model then verifies in one step
 
 `disable_by_batch_size` (both): no speculation in a step where more requests run or wait
 than this (vLLM counts the requests enqueued; a queue means the engine is at capacity, and
-drafts would spend compute the queued requests wait for). On a CPU a step costs about its tokens once the batch is large (the products are then
-compute-bound), so verifying k + 1 tokens per sequence that will mostly be rejected slows a
-full batch down; at batch 1 the weights' read dominates and extra tokens are nearly free.
+drafts would spend compute the queued requests wait for). On a CPU a step's cost grows with
+its tokens once the batch is large (the products turn compute-bound), so verifying k + 1
+tokens per sequence slows a full batch down unless most are accepted; at a small batch the
+weights' read dominates and the extra tokens cost little (the figures below).
 
 Parsed once at the edge (the CLI, `LLMConfig`), carried as its JSON text inside
 `WorkerConfig` (the worker runs the proposer, the engine schedules the drafts). No torch here.
@@ -27,8 +28,15 @@ from typing import Any
 import msgspec
 
 METHODS = ("ngram", "draft_model")
-# The default `disable_by_batch_size`: measured on the default model (perf/spec_bench.py),
-# verifying drafts at more running requests than this cost more than it saved.
+# The default `disable_by_batch_size`, a judgement from measured step costs, not a measured
+# optimum. On the default model (float32, one thread, `perf/spec_bench.py --verify`) a C step
+# of M rows took 47 / 54 / 76 / 118 / 166 ms at M = 5 / 10 / 20 / 40 / 60, so verifying k = 4
+# drafts for r rows (M = 5r) costs about 2.3x a plain decode of them at r = 8 and 2.8x at
+# r = 12 (a decode's M = r read off the same curve). The copy workload emits 3.0 tokens a
+# row per verify step (acceptance 0.81): it breaks even near 12 rows, text that accepts half
+# as much near 6; 8 lies between. The serving sweep (`--sweep`, perf/README.md) found always
+# speculating faster at every concurrency up to 32 on the copy workload, but its running batch
+# stayed small, so it does not place the break-even.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 MAX_SPECULATIVE_TOKENS = 16
 _FIELDS = (
