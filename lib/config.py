@@ -150,6 +150,20 @@ class WorkerConfig:
     block_size: int = field(default=16, metadata=flag("--block-size"))
     max_num_seqs: int = field(default=256, metadata=flag("--max-num-seqs"))
     max_num_batched_tokens: int = field(default=2048, metadata=flag("--max-num-batched-tokens"))
+    # While decodes run, each step earns pooling prompts (embeddings) this many tokens per
+    # running decode, spent on whole prompts (credit kept up to a step's budget; generation
+    # prompts are not held back but spend it too), so an embeddings flood cannot stretch the
+    # streams' time per output token; 0: no cap (vLLM's way: prompts fill the budget's rest).
+    # The default is measured: perf/README.md, `prefill_cap_bench.py`.
+    max_prefill_tokens_per_decode: int = field(
+        default=1,
+        metadata=flag(
+            "--max-prefill-tokens-per-decode",
+            help="while decodes run, embedding (pooling) prompt tokens each running decode "
+            "earns a step, spent on whole prompts; generation prompts are not held back but "
+            "spend them too; 0: no cap, prompts fill the token budget's rest",
+        ),
+    )
     # None: the model's max_position_embeddings
     max_model_len: int | None = field(default=None, metadata=flag("--max-model-len"))
     # The KV budget on CPU, where free memory is not measurable.
@@ -291,6 +305,11 @@ class WorkerConfig:
             if getattr(self, name) <= 0:
                 raise WorkerConfigError(f"{name} must be positive, got {getattr(self, name)}")
         self.speculative()  # SpeculativeConfigError naming the field, at start-up
+        if self.max_prefill_tokens_per_decode < 0:
+            raise WorkerConfigError(
+                f"max_prefill_tokens_per_decode must be >= 0 (0: no cap), got "
+                f"{self.max_prefill_tokens_per_decode}"
+            )
         self._check_lora()
 
     def _check_lora(self) -> None:

@@ -96,6 +96,7 @@ class EngineCore:
                 block_size=worker.block_size,
                 max_num_seqs=worker.max_num_seqs,
                 max_num_batched_tokens=worker.max_num_batched_tokens,
+                max_prefill_tokens_per_decode=worker.max_prefill_tokens_per_decode,
                 speculative=worker.speculative(),
                 max_model_len=self.max_model_len,
                 enable_prefix_caching=self.config.enable_prefix_caching,

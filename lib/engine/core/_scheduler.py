@@ -5,6 +5,20 @@ per decode, the next chunk of an unfinished prompt), then waiting ones, each adm
 its prefix-cache hits counted as computed. A prompt larger than what is left of the budget
 gets a partial chunk (chunked prefill), so long prompts never stall the decodes.
 
+While decodes run, pooling prompts (embeddings) get a share of the steps: each step with
+decodes earns `max_prefill_tokens_per_decode` prompt tokens per running decode (credit kept
+up to one step's budget), every prompt token computed while decodes run spends it (generation
+prompts too), and a pooling prompt runs once the credit covers it whole (or is full, for one
+longer than the budget). So a flood of embeddings computes on average at most that many
+tokens per decode per step, which bounds how much it stretches the streams' time per output
+token; and in whole prompts, not slivers, because a step with any prompt costs much more
+than a decode step (it leaves the decode fast path: the C step, CUDA graphs). Generation
+prompts are not held back, and pass pooling ones that wait for credit: they become streams
+(throttling them shrinks the batch; a c=32 load starved itself so, perf/README.md), where an
+embedding only takes from the streams. Credit saved while decoding serves a burst at once.
+vLLM fills the budget's rest with any prompt (its `long_prefill_token_threshold` caps one
+prompt's chunk, not the step's prompts); `max_prefill_tokens_per_decode` 0 does that here.
+
 When a running request needs a block and none is free, the newest running request is
 preempted by recompute: its blocks are freed and it goes back to the front of `waiting`
 with its outputs kept; readmitted, it is a new request to the runner again and recomputes
@@ -20,6 +34,7 @@ so they compute the whole prompt (their full blocks are still cached for others)
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections import deque
 from collections.abc import Iterable
@@ -58,12 +73,19 @@ class SchedulerConfig:
     # Distinct LoRA adapters the running requests may hold (the worker's device slots).
     max_loras: int = 1
     hidden_size: int = 0  # a prompt embedding's width (0: prompt embeddings unchecked)
+    # Prompt tokens each running decode earns per step (0: no cap, prompts fill the budget).
+    max_prefill_tokens_per_decode: int = 0
     speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise SchedulerConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prefill_tokens_per_decode < 0:
+            raise SchedulerConfigError(
+                f"max_prefill_tokens_per_decode must be >= 0 (0: no cap), got "
+                f"{self.max_prefill_tokens_per_decode}"
+            )
         if self.max_model_len < 2:
             raise SchedulerConfigError(
                 f"max_model_len must be >= 2 (a prompt token and an output), "
@@ -144,6 +166,8 @@ class Scheduler:
         # Requests whose grammar compiles (structured outputs): in `requests`, in no queue.
         self.waiting_for_grammar: dict[int, Request] = {}
         self.num_preemptions = 0
+        # Prompt tokens the running decodes earned and prompts have not spent (the prefill cap).
+        self.prefill_credit = 0
         self._step = 0
         self._finished_rnums: list[int] = []  # rows the runner drops at its next step
         self._aborted: list[Request] = []  # aborts the next result reports
@@ -243,10 +267,14 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------------
 
     def schedule(self) -> StepBatch:
-        """Decide this step: running requests first, then waiting ones, FCFS, in the budget."""
+        """Decide this step: running requests first, then waiting ones, FCFS, in the budget;
+        prompts (unfinished chunks, admissions) within what the decodes earned."""
         config, kv = self.config, self.kv_cache_manager
         budget = config.max_num_batched_tokens
         running = self.running
+        num_decodes = sum(map(_is_decoding, running))
+        pooling_budget = self._pooling_budget(num_decodes)  # pooling prompts' tokens
+        prompt_tokens = 0  # computed for prompts (either kind): what they spend of the credit
         spec = config.speculative
         # Requests queued behind the running ones count: drafts spend compute they wait for.
         speculating = spec is not None and spec.speculates(len(running) + len(self.waiting))
@@ -267,6 +295,12 @@ class Scheduler:
             num_new = request.num_tokens - request.num_computed_tokens
             if num_new > budget:
                 num_new = budget
+            pooling = request.options.is_pooling
+            if pooling:
+                num_new = min(num_new, pooling_budget)
+                if not num_new:
+                    i += 1  # it waits for credit; the requests behind it go on
+                    continue
             drafts = (
                 usable_drafts(request, budget - num_new, config.max_model_len)
                 if speculating
@@ -285,6 +319,10 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
+            if pooling:
+                pooling_budget -= num_new
+            if not _is_decoding(request):
+                prompt_tokens += num_new
             rnums.append(request.rnum)
             counts.append(num_new)
             draft_counts.append(len(drafts))
@@ -304,16 +342,23 @@ class Scheduler:
         # After a preemption blocks are short: admitting more would only preempt again.
         while not preempted and self.waiting and budget > 0 and len(running) < config.max_num_seqs:
             request = self.waiting[0]
+            if request.options.is_pooling and not pooling_budget:
+                # Generation passes pooling prompts that wait for credit; else the queue waits.
+                request = next((r for r in self.waiting if not r.options.is_pooling), request)
+                if request.options.is_pooling:
+                    break
             if request.lora_id and not self._adapter_fits(request.lora_id):
                 break  # FCFS: it waits until an adapter's last running request ends
             hits, num_hit_tokens = (
                 ([], 0) if _needs_every_position(request) else kv.get_computed_blocks(request)
             )
             num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if request.options.is_pooling:
+                num_new = min(num_new, pooling_budget)
             extra = self._lookahead(request, num_hit_tokens + num_new, lookahead)
             if kv.allocate_slots(request, num_new + extra, hits) is None:
                 break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
+            self.waiting.remove(request)  # the head, but where a generation passed
             if request.status is RequestStatus.WAITING:
                 request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
@@ -337,6 +382,11 @@ class Scheduler:
             if request.grammar is not None and num_hit_tokens + num_new == request.num_tokens:
                 grammar_rnums.append(request.rnum)
             budget -= num_new
+            prompt_tokens += num_new
+            if request.options.is_pooling:
+                pooling_budget -= num_new
+        if num_decodes:
+            self.prefill_credit = max(0, self.prefill_credit - prompt_tokens)
 
         batch = StepBatch(
             self._step,
@@ -382,6 +432,25 @@ class Scheduler:
         adapter is among theirs, or they hold fewer than `max_loras` (a step's slots)."""
         active = {r.lora_id for r in self.running if r.lora_id}
         return lora_id in active or len(active) < self.config.max_loras
+
+    def _pooling_budget(self, num_decodes: int) -> int:
+        """The pooling prompt tokens this step may compute: the whole budget without decodes
+        (or without a cap); else, once the decodes' earnings are added, the credit if it
+        covers the next pooling prompt in line whole (or is full), and none until it does."""
+        config = self.config
+        per_decode, most = config.max_prefill_tokens_per_decode, config.max_num_batched_tokens
+        if not per_decode or not num_decodes:
+            return most
+        credit = self.prefill_credit = min(most, self.prefill_credit + per_decode * num_decodes)
+        return credit if credit >= min(most, self._next_pooling_prompt()) else 0
+
+    def _next_pooling_prompt(self) -> int:
+        """Tokens the first pooling prompt in line still needs (an unfinished chunk's, else
+        the first waiting one's, its prefix-cache hits not counted; 0: none)."""
+        for request in itertools.chain(self.running, self.waiting):
+            if request.options.is_pooling:
+                return request.num_tokens - request.num_computed_tokens
+        return 0
 
     def preempt(self, request: Request) -> None:
         """Free a running request's blocks and requeue it first; its outputs are kept, its
@@ -668,6 +737,14 @@ class Scheduler:
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_accepted_per_position=tuple(self.spec_stats.accepted_per_position),
         )
+
+
+def _is_decoding(request: Request) -> bool:
+    """Whether a running request computes one token this step to sample the next (not a
+    prompt chunk, nor a preempted request recomputing its KV)."""
+    return request.num_tokens - request.num_computed_tokens == 1 and not (
+        request.options.is_pooling
+    )
 
 
 def _needs_every_position(request: Request) -> bool:
