@@ -39,9 +39,9 @@ from ._errors import (
     unauthorized,
 )
 from ._generate import Generation
+from ._lora_routes import LoraRoutes
 from ._metrics import Metrics
 from ._offload import default_threads
-from ._lora_routes import LoraRoutes
 from ._pooling_api import Edge, PoolingAPI
 from ._rank import pinned_rank
 from ._responses_api import ResponsesAPI, ResponsesRequest

@@ -247,7 +247,9 @@ class AsyncLLM:
         """Generate to the end; one merged `Output` per child (index order)."""
         merged: dict[int, Output] = {}
         pinned, lora = data_parallel_rank, lora_name
-        async with self.generate(prompt, params, data_parallel_rank=pinned, lora_name=lora) as stream:
+        async with self.generate(
+            prompt, params, data_parallel_rank=pinned, lora_name=lora
+        ) as stream:
             async for output in stream:
                 if output.index in merged:
                     merged[output.index].merge(output)
