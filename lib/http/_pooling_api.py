@@ -33,6 +33,8 @@ from ..engine.client import (
     PoolerConfig,
     PoolingOutput,
     PromptTooLongError,
+    SamplingParams,
+    SamplingParamsError,
     finish_embedding,
     load_pooler_config,
 )
@@ -126,7 +128,7 @@ class PoolingAPI:
             check_positive(request.truncate_prompt_tokens, "truncate_prompt_tokens")
             self._check_dimensions(request.dimensions)
             async with self.generation.running(receive) as watch:
-                outputs = await self._encode(prompts, "input", request.truncate_prompt_tokens)
+                outputs = await self._encode(prompts, "input", request)
             if self._gone(watch):
                 return
             self._check_dimensions(request.dimensions)
@@ -160,10 +162,9 @@ class PoolingAPI:
                 )
             held.grow(len(firsts) + len(seconds), what="texts", param="text_2")
             check_positive(request.truncate_prompt_tokens, "truncate_prompt_tokens")
-            cut = request.truncate_prompt_tokens
             async with self.generation.running(receive) as watch:
-                left = await self._encode(list(firsts), "text_1", cut)
-                right = await self._encode(list(seconds), "text_2", cut)
+                left = await self._encode(list(firsts), "text_1", request)
+                right = await self._encode(list(seconds), "text_2", request)
             if self._gone(watch):
                 return
             scores = _cosines([left[0]] * len(right) if len(left) == 1 else left, right)
@@ -183,10 +184,9 @@ class PoolingAPI:
             held.grow(1 + len(documents), what="1 query + documents", param="documents")
             check_positive(request.top_n, "top_n")
             check_positive(request.truncate_prompt_tokens, "truncate_prompt_tokens")
-            cut = request.truncate_prompt_tokens
             async with self.generation.running(receive) as watch:
-                left = await self._encode(list(query), "query", cut)
-                right = await self._encode(list(documents), "documents", cut)
+                left = await self._encode(list(query), "query", request)
+                right = await self._encode(list(documents), "documents", request)
             if self._gone(watch):
                 return
             scores = _cosines([left[0]] * len(right), right)
@@ -220,9 +220,23 @@ class PoolingAPI:
         return True
 
     async def _encode(
-        self, prompts: list[Prompt], field: str, truncate_prompt_tokens: int | None
+        self,
+        prompts: list[Prompt],
+        field: str,
+        request: EmbeddingRequest | ScoreRequest | RerankRequest,
     ) -> list[PoolingOutput]:
-        """Every prompt as one pooling request, all at once (they batch in the engine)."""
+        """Every prompt as one pooling request, all at once (they batch in the engine), with
+        the request's truncation, special tokens and cache salt.
+
+        Raises:
+            RequestError: 400 naming cache_salt when it is empty or too long.
+        """
+        truncate_prompt_tokens, salt = request.truncate_prompt_tokens, request.cache_salt
+        special = getattr(request, "add_special_tokens", True)
+        try:
+            SamplingParams(cache_salt=salt)  # generation's check of a salt
+        except SamplingParamsError as err:
+            raise RequestError(400, str(err), param="cache_salt") from None
         results: list[PoolingOutput | None] = [None] * len(prompts)
         errors: list[Exception] = []  # the first refusal is the answer (not a group of them)
         offload = self.generation.inputs.offload.run
@@ -239,6 +253,8 @@ class PoolingAPI:
                         prompt,
                         self.pooler.pooling_type,
                         truncate_prompt_tokens=truncate_prompt_tokens,
+                        add_special_tokens=special,
+                        cache_salt=salt,
                         run=run,
                     )
             except Exception as exc:

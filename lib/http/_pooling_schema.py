@@ -30,7 +30,8 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     user: str | None = None  # accepted, unused (OpenAI's)
     truncate_prompt_tokens: int | None = None  # keep the last this many tokens (vLLM's)
     normalize: bool | None = None  # vLLM's: None follows the model's pooler
-    add_special_tokens: bool = True
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens around a text
+    cache_salt: str | None = None  # vLLM's: prefix-cache blocks shared only within one salt
 
 
 class ScoreRequest(msgspec.Struct, kw_only=True):
@@ -40,6 +41,7 @@ class ScoreRequest(msgspec.Struct, kw_only=True):
     text_2: str | list[str]
     model: str | None = None
     truncate_prompt_tokens: int | None = None
+    cache_salt: str | None = None
 
 
 class RerankRequest(msgspec.Struct, kw_only=True):
@@ -51,6 +53,7 @@ class RerankRequest(msgspec.Struct, kw_only=True):
     top_n: int | None = None
     return_documents: bool = True
     truncate_prompt_tokens: int | None = None
+    cache_salt: str | None = None
 
 
 def inputs(value: str | list[Any], field: str = "input") -> list[Prompt]:

@@ -145,3 +145,34 @@ def test_pooling_score_and_rerank(pool_server: Server) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_2"
     metrics = httpx.get(f"{base}/metrics").text
     assert 'trillm:pooling_requests_total{endpoint="rerank",model_name="tiny"} 3.0' in metrics
+
+
+def test_a_cache_salt_isolates_embeddings_tenants(pool_server: Server) -> None:
+    """LAST pooling reads cached blocks, so embeddings take vLLM's cache_salt too: the same
+    input hits the prefix cache within one salt and never across salts (the hit counter)."""
+
+    def hits() -> float:
+        metrics = httpx.get(f"{pool_server.base_url}/metrics", timeout=30).text
+        line = next(x for x in metrics.splitlines() if x.startswith("vllm:prefix_cache_hits_total"))
+        return float(line.rsplit(" ", 1)[1])
+
+    url, ids = f"{pool_server.base_url}/v1/embeddings", list(range(200, 241))  # 2 full blocks
+    for salt, hit in [("tenant-a", 0), ("tenant-a", 32), ("tenant-b", 0), (None, 0), (None, 32)]:
+        before = hits()
+        body = {"input": ids} if salt is None else {"input": ids, "cache_salt": salt}
+        assert httpx.post(url, json=body, timeout=60).status_code == 200
+        assert hits() - before == hit, salt
+    empty = httpx.post(url, json={"input": ids, "cache_salt": ""}, timeout=60)
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "cache_salt"
+
+
+def test_add_special_tokens_false_leaves_the_text_bare(pool_server: Server) -> None:
+    url = f"{pool_server.base_url}/v1/embeddings"
+    text = TEXTS[0]
+    bare = httpx.post(url, json={"input": text, "add_special_tokens": False}).json()
+    ids = httpx.post(
+        f"{pool_server.base_url}/tokenize", json={"prompt": text, "add_special_tokens": False}
+    ).json()["tokens"]
+    same = httpx.post(url, json={"input": ids}).json()
+    assert bare["usage"]["prompt_tokens"] == len(ids)
+    assert np.allclose(bare["data"][0]["embedding"], same["data"][0]["embedding"], atol=1e-6)

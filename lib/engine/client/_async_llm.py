@@ -263,6 +263,8 @@ class AsyncLLM:
         pooling: PoolingType = PoolingType.LAST,
         *,
         truncate_prompt_tokens: int | None = None,
+        add_special_tokens: bool = True,
+        cache_salt: str | None = None,
         run: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None,
     ) -> PoolingOutput:
         """Pool `prompt`'s final hidden states (embeddings): a prefill-only request in the
@@ -271,19 +273,25 @@ class AsyncLLM:
 
         Args:
             truncate_prompt_tokens: keep only the prompt's last this many tokens (vLLM's).
+            add_special_tokens: the tokenizer's special tokens around a text (vLLM's).
+            cache_salt: its tenant's prefix-cache salt, as generation's (LAST pooling reads
+                cached blocks: another salt's are never hits).
             run: runs the tokenising (the server hands it to a thread when it is large).
 
         Raises:
             InvalidPromptError: an empty prompt or a token id outside the vocabulary.
             PromptTooLongError: more tokens than the model's maximum length (param "input").
+            SamplingParamsError: an empty or over-long `cache_salt`.
             EngineDeadError: every engine died.
         """
         self.engines.check_alive()
         limit = self.ready.max_model_len
+        params = SamplingParams(cache_salt=cache_salt)  # checks the salt as generation's
 
         def checked() -> list[int]:
             cut = truncate_prompt_tokens is not None
-            ids = self._inputs.tokenize(prompt, will_truncate=cut)
+            special = add_special_tokens
+            ids = self._inputs.tokenize(prompt, will_truncate=cut, add_special_tokens=special)
             if truncate_prompt_tokens is not None:
                 ids = ids[-truncate_prompt_tokens:]
             if len(ids) > limit:
@@ -296,15 +304,15 @@ class AsyncLLM:
 
         ids: list[int] = checked() if run is None else await run(checked)
         options = SamplingOptions(pooling=int(pooling))
-        engine = await self.engines.choose(ids)
+        engine = await self.engines.choose(ids, cache_salt or "")
         mailbox = Mailbox()
-        state = self._inputs.new_state(next(self._rnums), mailbox, 0, ids, SamplingParams())
+        state = self._inputs.new_state(next(self._rnums), mailbox, 0, ids, params)
         state.engine, state.options, state.max_tokens = engine.index, options, 1
         self._processor.add(state)
         self.engines.router.loads[engine.index] += 1
         try:
             try:
-                await engine.send_add(state.rnum, options, 1, ids)
+                await engine.send_add(state.rnum, options, 1, ids, cache_salt=state.cache_salt)
             except trio.BrokenResourceError:
                 self.engines.check_engine(engine)
                 raise

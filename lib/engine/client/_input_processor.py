@@ -39,10 +39,17 @@ class InputProcessor:
         self._backend = tokenizer.backend_tokenizer
         self._chat_template = chat_template  # a template's text, else the tokenizer's own
 
-    def tokenize(self, prompt: str | Sequence[int], *, will_truncate: bool = False) -> list[int]:
+    def tokenize(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        will_truncate: bool = False,
+        add_special_tokens: bool = True,
+    ) -> list[int]:
         """`prompt` as token ids (text is tokenised; ids are checked against the vocabulary).
         `will_truncate`: the caller keeps only the last tokens, so a text too long for the
-        model is tokenised whole rather than refused by its head.
+        model is tokenised whole rather than refused by its head. `add_special_tokens`: the
+        tokenizer's BOS/EOS around a text (vLLM's field of the same name).
 
         Raises:
             InvalidPromptError: an empty prompt or a token id outside the vocabulary.
@@ -50,9 +57,10 @@ class InputProcessor:
                 (its `param` is "prompt"), unless `will_truncate`.
         """
         if isinstance(prompt, str):
+            special = add_special_tokens
             if not will_truncate:
-                self._refuse_if_head_too_long(prompt, add_special_tokens=True)
-            ids: list[int] = self.tokenizer(prompt)["input_ids"]
+                self._refuse_if_head_too_long(prompt, add_special_tokens=special)
+            ids: list[int] = self.tokenizer(prompt, add_special_tokens=special)["input_ids"]
         else:
             ids = list(prompt)
             vocab = self.ready.vocab_size
