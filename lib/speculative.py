@@ -34,9 +34,10 @@ METHODS = ("ngram", "draft_model")
 # drafts for r rows (M = 5r) costs about 2.3x a plain decode of them at r = 8 and 2.8x at
 # r = 12 (a decode's M = r read off the same curve). The copy workload emits 3.0 tokens a
 # row per verify step (acceptance 0.81): it breaks even near 12 rows, text that accepts half
-# as much near 6; 8 lies between. The serving sweep (`--sweep`, perf/README.md) found always
-# speculating faster at every concurrency up to 32 on the copy workload, but its running batch
-# stayed small, so it does not place the break-even.
+# as much near 6; 8 lies between. The serving sweep (`--sweep`, perf/README.md: one run each)
+# found always speculating on the copy workload 2.5x at c=1 and only 1.03x to 1.10x at c=4 to
+# 32: little to lose there and little to gain; text that accepts less would lose sooner (by
+# the step costs above; not served here).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 MAX_SPECULATIVE_TOKENS = 16
 _FIELDS = (
