@@ -162,11 +162,10 @@ class PoolingAPI:
                 )
             held.grow(len(firsts) + len(seconds), what="texts", param="text_2")
             check_positive(request.truncate_prompt_tokens, "truncate_prompt_tokens")
-            async with self.generation.running(receive) as watch:
-                left = await self._encode(list(firsts), "text_1", request)
-                right = await self._encode(list(seconds), "text_2", request)
-            if self._gone(watch):
+            pair = await self._encode_pair(receive, request, firsts, "text_1", seconds, "text_2")
+            if pair is None:
                 return
+            left, right = pair
             scores = _cosines([left[0]] * len(right) if len(left) == 1 else left, right)
             data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
             tokens = self._count("score", [*left, *right])
@@ -184,11 +183,10 @@ class PoolingAPI:
             held.grow(1 + len(documents), what="1 query + documents", param="documents")
             check_positive(request.top_n, "top_n")
             check_positive(request.truncate_prompt_tokens, "truncate_prompt_tokens")
-            async with self.generation.running(receive) as watch:
-                left = await self._encode(list(query), "query", request)
-                right = await self._encode(list(documents), "documents", request)
-            if self._gone(watch):
+            pair = await self._encode_pair(receive, request, query, "query", documents, "documents")
+            if pair is None:
                 return
+            left, right = pair
             scores = _cosines([left[0]] * len(right), right)
             order = sorted(range(len(scores)), key=lambda i: -scores[i])[: request.top_n]
             results = [
@@ -209,6 +207,22 @@ class PoolingAPI:
         await edge.respond(send, 200, _encoder.encode(answer), extra)
 
     # -- helpers -------------------------------------------------------------------------
+
+    async def _encode_pair(
+        self,
+        receive: Any,
+        request: ScoreRequest | RerankRequest,
+        lefts: Sequence[Prompt],
+        left_field: str,
+        rights: Sequence[Prompt],
+        right_field: str,
+    ) -> tuple[list[PoolingOutput], list[PoolingOutput]] | None:
+        """The two sides a score compares, encoded under the client's disconnect watch; None
+        when the client went away (nobody to answer)."""
+        async with self.generation.running(receive) as watch:
+            left = await self._encode(list(lefts), left_field, request)
+            right = await self._encode(list(rights), right_field, request)
+        return None if self._gone(watch) else (left, right)
 
     def _gone(self, watch: trio.CancelScope) -> bool:
         """Whether the request's scope was cancelled: True if its client went away (nobody to
