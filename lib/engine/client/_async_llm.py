@@ -25,7 +25,6 @@ from ._engine_pool import EnginePool
 from ._errors import (
     DataParallelRankError,
     EngineDeadError,
-    PromptTooLongError,
     RequestFailedError,
 )
 from ._input_processor import InputProcessor
@@ -285,22 +284,12 @@ class AsyncLLM:
             EngineDeadError: every engine died.
         """
         self.engines.check_alive()
-        limit = self.ready.max_model_len
         params = SamplingParams(cache_salt=cache_salt)  # checks the salt as generation's
 
         def checked() -> list[int]:
-            cut = truncate_prompt_tokens is not None
-            special = add_special_tokens
+            cut, special = truncate_prompt_tokens is not None, add_special_tokens
             ids = self._inputs.tokenize(prompt, will_truncate=cut, add_special_tokens=special)
-            if truncate_prompt_tokens is not None:
-                ids = ids[-truncate_prompt_tokens:]
-            if len(ids) > limit:
-                raise PromptTooLongError(
-                    f"the input has {len(ids)} tokens, more than the model's maximum length "
-                    f"{limit}: shorten it, or set truncate_prompt_tokens to cut it",
-                    "input",
-                )
-            return ids
+            return self._inputs.pooling_ids(ids, truncate_prompt_tokens, "input")
 
         ids: list[int] = checked() if run is None else await run(checked)
         options = SamplingOptions(pooling=int(pooling))

@@ -73,6 +73,31 @@ class InputProcessor:
             raise InvalidPromptError("the prompt is empty: send at least one token")
         return ids
 
+    def pooling_ids(
+        self,
+        ids: list[int],
+        truncate_prompt_tokens: int | None,
+        param: str,
+    ) -> list[int]:
+        """A pooling prompt's ids (from `tokenize`, `will_truncate` when truncating) cut to
+        their last `truncate_prompt_tokens` (vLLM's) and checked against the model's maximum
+        length: a pooling request has no max_tokens to lower, only the input to cut.
+
+        Raises:
+            PromptTooLongError: more tokens than the model's maximum length (its `param` is
+                `param`: "input" on the HTTP routes, "prompt" in `LLM.embed`).
+        """
+        if truncate_prompt_tokens is not None:
+            ids = ids[-truncate_prompt_tokens:]
+        limit = self.ready.max_model_len
+        if len(ids) > limit:
+            raise PromptTooLongError(
+                f"the {param} has {len(ids)} tokens, more than the model's maximum length "
+                f"{limit}: shorten it, or set truncate_prompt_tokens to cut it",
+                param,
+            )
+        return ids
+
     def embeds_ids(self, embeds: PromptEmbeds, *, enabled: bool) -> list[int]:
         """Placeholder token ids (0), one per row of a prompt sent as embeddings, once the
         rows are checked against the model: its hidden size, its maximum length.

@@ -27,7 +27,7 @@ from tqdm import tqdm  # type: ignore[import-untyped]
 
 from ...wire import PoolingType, SamplingOptions
 from ._engine_args import offline_config
-from ._errors import EngineDeadError, PromptTooLongError
+from ._errors import EngineDeadError
 from ._input_processor import InputProcessor
 from ._output_processor import OutputProcessor, RequestState
 from ._outputs import Mailbox
@@ -198,18 +198,11 @@ class LLM:
             self._pooler = load_pooler_config(
                 self.config.engine.worker.model, self.config.pooler_config
             )
-        pooler, limit = self._pooler, self._inputs.ready.max_model_len
+        pooler = self._pooler
         requests = []
         for prompt in _as_list(prompts):
             text, ids = self._tokenize(prompt, will_truncate=truncate_prompt_tokens is not None)
-            if truncate_prompt_tokens is not None:
-                ids = ids[-truncate_prompt_tokens:]
-            if len(ids) > limit:
-                raise PromptTooLongError(
-                    f"a prompt has {len(ids)} tokens, more than the model's maximum length "
-                    f"{limit}: shorten it, or set truncate_prompt_tokens to cut it",
-                    "prompt",
-                )
+            ids = self._inputs.pooling_ids(ids, truncate_prompt_tokens, "prompt")
             params = SamplingParams()
             requests.append(_Request(text, ids, params, 1, Mailbox(), [], 1, pooler.pooling_type))
         self._run(requests, use_tqdm)
