@@ -49,15 +49,11 @@ from ._responses_store import ResponseStore
 from ._schemas import (
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
     decode_request,
-    detokenize_response,
     models_response,
-    template_kwargs,
-    tokenize_response,
     version_response,
 )
+from ._tokenize_api import TokenizeAPI
 
 
 class ClientDisconnected(Exception):
@@ -120,8 +116,6 @@ class App:
             ("GET", "/version"): self._version,
             ("GET", "/v1/models"): self._models,
             ("GET", "/metrics"): self._metrics,
-            ("POST", "/tokenize"): self._tokenize,
-            ("POST", "/detokenize"): self._detokenize,
             ("POST", "/v1/completions"): self._completions,
             ("POST", "/v1/chat/completions"): self._chat,
             ("POST", "/v1/responses"): self._responses,
@@ -134,6 +128,7 @@ class App:
         edge = Edge(self._read_body, self._decode, self._admitted, self._check_model, self._respond)
         pooling = PoolingAPI(edge, self.generation, config.served_model_name)
         self._routes.update(pooling.routes())
+        self._routes.update(TokenizeAPI(edge, self.generation, self.admission.hold).routes())
         if config.enable_runtime_lora_updating:
             lora = LoraRoutes(llm, self._read_body, self._decode, self._respond)
             self._routes.update(lora.routes())
@@ -286,54 +281,6 @@ class App:
                 self.metrics.set_engine_stats(stats, engine)
                 return
         self.metrics.engine_gone(engine)
-
-    # /tokenize and /detokenize count toward --max-queued-requests (1 each): they hold a
-    # tokenizer thread for as long as their input takes.
-
-    async def _tokenize(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
-        body = await self._read_body(scope, receive)
-        with self.admission.hold():
-            request = await self._decode(body, TokenizeRequest)
-            if request.messages is not None:  # a chat template carries its own special tokens
-                tokens = await self.generation.inputs.chat_prompt(
-                    request.messages,
-                    add_generation_prompt=request.add_generation_prompt,
-                    variables=template_kwargs(request.chat_template_kwargs),
-                )
-            else:
-                special = request.add_special_tokens is not False
-                prompt = request.prompt or ""
-                tokens = await self.generation.inputs.offload.run(
-                    len(prompt), self._tokenized, prompt, special
-                )
-            answer = tokenize_response(tokens, max_model_len=self.llm.max_model_len)
-        await self._respond(send, 200, answer, extra)
-
-    def _tokenized(self, prompt: str, add_special_tokens: bool) -> list[int]:
-        ids: list[int] = self.llm.tokenizer(prompt, add_special_tokens=add_special_tokens)[
-            "input_ids"
-        ]
-        return ids
-
-    async def _detokenize(
-        self, scope: Scope, receive: Receive, send: Send, extra: list[Any]
-    ) -> None:
-        body = await self._read_body(scope, receive)
-        with self.admission.hold():
-            request = await self._decode(body, DetokenizeRequest)
-            tokens = request.tokens
-            text = await self.generation.inputs.offload.run(len(tokens), self._detokenized, tokens)
-        await self._respond(send, 200, detokenize_response(text), extra)
-
-    def _detokenized(self, tokens: list[int]) -> str:
-        vocab = self.llm.ready.vocab_size
-        bad = [t for t in tokens if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(
-                400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens"
-            )
-        text: str = self.llm.tokenizer.decode(tokens)
-        return text
 
     async def _completions(
         self, scope: Scope, receive: Receive, send: Send, extra: list[Any]
