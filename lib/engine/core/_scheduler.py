@@ -165,6 +165,8 @@ class Scheduler:
         self.requests: dict[int, Request] = {}  # rnum -> every unfinished request
         # Requests whose grammar compiles (structured outputs): in `requests`, in no queue.
         self.waiting_for_grammar: dict[int, Request] = {}
+        # The unfinished pooling requests: a step without them skips `_finish_pooled`'s look.
+        self._pooling: set[int] = set()
         self.num_preemptions = 0
         # Prompt tokens the running decodes earned and prompts have not spent (the prefill cap).
         self.prefill_credit = 0
@@ -210,6 +212,8 @@ class Scheduler:
                 f"[{request.num_prompt_tokens}, {self.config.hidden_size}], {expected} bytes"
             )
         self.requests[request.rnum] = request
+        if request.options.is_pooling:
+            self._pooling.add(request.rnum)
         if request.status is RequestStatus.WAITING_FOR_GRAMMAR:
             self.waiting_for_grammar[request.rnum] = request
         else:
@@ -249,6 +253,7 @@ class Scheduler:
             request = self.requests.pop(int(rnum), None)
             if request is None:
                 continue
+            self._pooling.discard(request.rnum)
             if request.status is RequestStatus.RUNNING:
                 self._finished_rnums.append(request.rnum)
             self.waiting_for_grammar.pop(request.rnum, None)
@@ -588,18 +593,18 @@ class Scheduler:
                 request.spec_token_ids = tokens[bounds[i] : bounds[i + 1]].tolist()
 
     def _finish_pooled(self, batch: StepBatch) -> list[Request]:
-        """Finish (STOP) and free the pooling requests whose prompt this step completed."""
+        """Finish (STOP) and free the pooling requests whose prompt this step completed.
+        Only the live pooling requests are looked at: a generation-only step costs a set test."""
+        if not self._pooling:
+            return []
         done = []
         for rnum in batch.scheduled_rnums.tolist():
-            request = self.requests.get(rnum)
-            if (
-                request is not None
-                and request.options.is_pooling
-                and request.num_computed_tokens >= request.num_tokens
-            ):
+            request = self.requests.get(rnum) if rnum in self._pooling else None
+            if request is not None and request.num_computed_tokens >= request.num_tokens:
                 request.finish(FinishReason.STOP)
                 self.kv_cache_manager.free(request)
                 del self.requests[rnum]
+                self._pooling.discard(rnum)
                 self._finished_rnums.append(rnum)
                 done.append(request)
         return done

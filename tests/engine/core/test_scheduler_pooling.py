@@ -91,3 +91,22 @@ def test_an_abort_during_the_step_drops_its_pooled_row() -> None:
     result = scheduler.update_from_output(batch, output)
     assert rows_of(result) == {2: ([], FinishReason.STOP), 1: ([], FinishReason.ABORT)}
     assert result.pooled_rnums is not None and result.pooled_rnums.tolist() == [2]
+
+
+def test_an_aborted_pooling_rnum_reused_by_a_generation_generates() -> None:
+    """A pooling request's rnum forgotten on abort: the generation that takes the number next
+    runs to its max_tokens, and is not finished as a pooled prompt once its prompt is in."""
+    scheduler = Scheduler(make_config())
+    runner = PoolingRunner(scheduler)
+    scheduler.add_request(make_request(1, 12, pooling=PoolingType.MEAN))
+    scheduler.abort_requests([1])
+    _, result = step(scheduler, runner)  # reports the abort
+    assert rows_of(result)[1] == ([], FinishReason.ABORT)  # type: ignore[arg-type]
+    runner.pooling = set()
+    scheduler.add_request(make_request(1, 4, max_tokens=3))
+    outputs = []
+    for _ in range(3):
+        _, result = step(scheduler, runner)
+        outputs.append(rows_of(result)[1])  # type: ignore[arg-type]
+    assert [len(tokens) for tokens, _ in outputs] == [1, 1, 1]
+    assert outputs[-1][1] == FinishReason.LENGTH
