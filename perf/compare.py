@@ -63,15 +63,16 @@ ROOT = HERE.parent
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 
 
-def matmul_rates(threads: int) -> dict[str, float]:
-    """Best fp32 GFLOP/s of square matmuls through each of torch's CPU GEMM libraries.
+def matmul_rates(threads: int, sizes: tuple[int, ...] = (1024, 2048)) -> dict[str, float]:
+    """Best fp32 GFLOP/s of square matmuls (of `sizes`) through each of torch's CPU GEMM
+    libraries.
 
     MKL's sgemm (`torch.mm`) keeps to AVX2 on AMD CPUs, oneDNN uses AVX-512 where it exists:
     the machine's rate is the faster of the two.
     """
     torch.set_num_threads(threads)
     rates = {"mkl": 0.0, "onednn": 0.0}
-    for n in (1024, 2048):
+    for n in sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)
         runs: dict[str, Callable[[], object]] = {"mkl": partial(torch.mm, a, b)}
         if packed_linear_available(torch.float32):

@@ -13,6 +13,13 @@ linears, C's attention). Prints:
   step is one call the profiler does not see into).
 
     python perf/decode_profile.py [--dtype float32] [--batch 1] [--new-tokens 32] [--json PATH]
+
+`--split` (issue 32) instead splits the C path's decode steps of B sequences, and mixed steps
+(those B decodes and a new prompt of `--prompt-len` tokens), into linears, attention,
+sampling and host work (`_step_split.py`), each part's GFLOP/s against the FMA peak measured
+in the same run (a 2048 and a 4096 square fp32 matmul, oneDNN's and MKL's, on every thread):
+
+    python perf/decode_profile.py --split --batch 32 [--new-tokens 24] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from model_bench import prompts, read_bandwidth, trillm_run
+from _step_split import PARTS, decode_and_mixed, products_alone, split, step_flops
+from compare import matmul_rates
+from model_bench import SamplingOptions, prompts, read_bandwidth, trillm_run
 from torch.profiler import profile
 
 from trillm.default_model import default_model_dir
@@ -47,7 +56,7 @@ def load(args: argparse.Namespace, *, eager: bool) -> Worker:
         args.model or str(default_model_dir()),
         device="cpu",
         dtype=args.dtype,
-        max_num_seqs=max(8, args.batch),
+        max_num_seqs=max(8, args.batch + 1),  # + 1: --split's arriving prompt
         quantization=args.quantization,
         cpu_linear=args.cpu_linear,
         enforce_eager=eager,
@@ -84,6 +93,49 @@ def op_profile(worker: Worker, batch: list[list[int]], new_tokens: int) -> dict[
     }
 
 
+def split_main(args: argparse.Namespace) -> None:
+    """The C path's decode and mixed steps split into parts, against the FMA peak."""
+    worker = load(args, eager=False)
+    if worker.runner.cpu_step is None:
+        raise SystemExit(f"decode_profile: no C step here ({worker.kernels.decode})")
+    config = worker.runner.model_config
+    batch = prompts(args.batch, args.prompt_len, config.vocab_size)
+    greedy = SamplingOptions(temperature=0.0)
+    decode: list[dict[str, float]] = []
+    mixed: list[dict[str, float]] = []
+    products: list[float] = []
+    decode_and_mixed(worker, batch, 6, greedy)  # warm-up
+    for _ in range(args.repeats):  # the products alone between runs: the same machine state
+        d, m = decode_and_mixed(worker, batch, args.new_tokens, greedy)
+        decode += d
+        mixed += m
+        products.append(products_alone(worker, args.batch, 5))
+    rates = matmul_rates(torch.get_num_threads(), (2048, 4096))
+    peak = max(rates.values())
+    context = args.prompt_len + args.new_tokens // 2
+    rows = []
+    for name, steps, alone, prompt in (
+        ("decode", decode, statistics.median(products), 0),
+        ("mixed", mixed, None, args.prompt_len),
+    ):
+        parts = split(steps, alone)
+        flops = step_flops(config, args.batch, context, prompt)
+        total = sum(flops.values())
+        rows.append((name, "step", parts["wall"], total))
+        rows += [(name, part, parts[part], flops.get(part, 0.0)) for part in PARTS]
+    print(f"fma peak: {peak:.1f} GFLOP/s on {torch.get_num_threads()} threads (" + ", ".join(
+        f"{k} {v:.1f}" for k, v in rates.items()) + "); "
+        f"{len(decode)} decode and {len(mixed)} mixed steps of B={args.batch}, "
+        f"context ~{context}, prompt {args.prompt_len}")  # fmt: skip
+    print(f"{'step':>6} {'part':>9} {'ms':>8} {'GFLOP':>7} {'GFLOP/s':>8} {'of peak':>8}")
+    for name, part, seconds, flop in rows:
+        rate = flop / seconds / 1e9 if flop and seconds > 0 else 0.0
+        share = f"{rate / peak:>7.1%}" if flop else f"{'':>7}"
+        print(f"{name:>6} {part:>9} {seconds * 1e3:>8.2f} {flop / 1e9:>7.2f} {rate:>8.1f} {share}")
+    if args.json:
+        args.json.write_text(json.dumps({"rates": rates, "rows": rows}, indent=1))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="float32")
@@ -95,7 +147,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--batch", type=int, default=1, help="sequences decoding together")
     p.add_argument("--json", type=Path)
+    p.add_argument("--split", action="store_true", help="parts and GFLOP/s of the C path")
     args = p.parse_args()
+    if args.split:
+        split_main(args)
+        return
     workers = {"c": load(args, eager=False), "torch": load(args, eager=True)}
     decode = workers["c"].runner.cpu_step
     if decode is None:
