@@ -87,6 +87,7 @@ class CpuStep:
         self.out = torch.empty(max_batch, cfg.hidden_size, dtype=torch.float32)
         self.threads = threads
         self.num_runs = 0  # steps run here (tests check the path was taken)
+        self.num_lora_runs = 0  # of them, steps with LoRA adapter rows
         self.num_attention_steps = 0  # torch-forward steps given C's attention (`attention`)
 
     def nbytes(self) -> int:
@@ -164,15 +165,24 @@ class CpuStep:
         block_table: np.ndarray,
         *,
         store_first: bool = False,
+        lora_slots: np.ndarray | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states [M, hidden] (model dtype) of M decode tokens, written
         into the bound KV cache. `block_table` [M, width] int32 (C order) lists each
         sequence's blocks. `store_first`: rows share blocks and read each other's new K/V (a
-        speculative verify step, one row per token: `expand_verify_rows`)."""
+        speculative verify step, one row per token: `expand_verify_rows`). `lora_slots` [M]
+        int32: each token's LoRA slot, -1 for the base model (None: no adapter in the step;
+        `LoraBatch.token_slots`)."""
         m = len(positions)
         if m > self.hidden.shape[0]:  # the scratch was sized for the build's max_batch
             raise ValueError(f"{m} decodes, more than the {self.hidden.shape[0]} built for")
+        if lora_slots is not None and (self.desc.lora_rank == 0 or len(lora_slots) != m):
+            raise ValueError(
+                f"LoRA slots for {len(lora_slots)} tokens of {m}, on a C step built "
+                f"{'with' if self.desc.lora_rank else 'without'} LoRA (--enable-lora)"
+            )
         self.num_runs += 1
+        self.num_lora_runs += lora_slots is not None
         embeds = self.model.embed_tokens(input_ids)
         multiplier = self.model.config.embedding_multiplier
         if multiplier != 1.0:  # in the model's dtype, as the torch forward scales it
@@ -183,6 +193,7 @@ class CpuStep:
         rows = np.ascontiguousarray(rows, np.int64)
         slots = np.ascontiguousarray(slots, np.int64)
         context_lens = np.ascontiguousarray(context_lens, np.int32)
+        lora = None if lora_slots is None else np.ascontiguousarray(lora_slots, np.int32)
         self.lib.trillm_decode(
             ctypes.byref(self.desc),
             self.structs,
@@ -198,6 +209,7 @@ class CpuStep:
             ctypes.c_void_p(self.scratch.data_ptr()),
             self.threads,
             int(store_first),
+            None if lora is None else lora.ctypes.data_as(ctypes.c_void_p),
         )
         return self.out[:m].to(self.dtype, copy=True)
 

@@ -8,7 +8,8 @@ activation, the attention's scale, soft-cap and window, the layer's rotary table
 for a mixture-of-experts layer its router and experts. Norm weights go as their float32
 scales (`RMSNorm.scale()`: Gemma's 1 + w included); rotary goes as the model's own cos/sin
 tables, so every scaling (llama3, linear, longrope and its attention factor) is the torch
-path's.
+path's. With `--enable-lora` each adapted linear's slot buffers (`LoraLinear`, made before
+the C step) go as a `tl_lora`: they never move, so their addresses are given once.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ._layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
+from ._lora_slots import LoraLinear
 from ._moe import FusedMoE
 from ._tiles import DENSE, TiledLinear, Tiles, dense_tiles
 from .models.gemma import GemmaDecoderLayer
@@ -28,6 +30,7 @@ from .models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from .models.olmo2 import Olmo2DecoderLayer
 
 MAX_GROUP = 16  # query heads per kv head (csrc: MAX_GROUP)
+LORA_MAX_PARTS = 3  # csrc: LORA_MAX_PARTS (q, k, v)
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # csrc: ACT_SILU, ACT_GELU_TANH
 QK_NORMS = {"": 0, "head": 1, "projection": 2}  # csrc: QK_NONE, QK_HEAD, QK_PROJECTION
 # Each known layer `forward`: its norms' attribute names as (before attention, before the
@@ -69,7 +72,7 @@ class Layer(ctypes.Structure):
             for name in (
                 *_NORMS, "q_norm", "k_norm", "wqkv", "wo", "wgu", "wd", "bqkv", "bo",
                 "rope_cos", "rope_sin", "router", "expert_gu", "expert_down", "k_cache",
-                "v_cache",
+                "v_cache", "lora",
             )
         ),
         *(
@@ -90,11 +93,24 @@ class Model(ctypes.Structure):
             for name in (
                 "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
                 "block_size", "cache_type", "qk_norm", "rotary_dim", "act", "num_experts",
-                "top_k", "expert_intermediate", "renormalize",
+                "top_k", "expert_intermediate", "renormalize", "lora_rank", "lora_type",
             )
         ),
         *((name, ctypes.c_float) for name in ("eps", "scale", "softcap", "residual")),
     ]  # fmt: skip
+
+
+class Lora(ctypes.Structure):
+    """`struct tl_lora`: one adapted linear's slot buffers."""
+
+    _fields_ = [
+        ("a", ctypes.c_void_p),
+        ("bt", ctypes.c_void_p),
+        ("ranks", ctypes.c_void_p),
+        ("parts", ctypes.c_int32),
+        ("tiles", ctypes.c_int32),
+        ("part_end", ctypes.c_int32 * LORA_MAX_PARTS),
+    ]
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
@@ -133,6 +149,7 @@ class LayerWeights:
     rope: tuple[torch.Tensor, torch.Tensor] | None  # the layer's rotary cos and sin tables
     window: int
     experts: Experts | None
+    lora: ctypes.Array[Lora] | None = None  # qkv, o, gate/up, down (`--enable-lora`)
 
     def tiles(self) -> list[Tiles]:
         dense = [t for t in (self.qkv, self.o, self.gate_up, self.down) if t is not None]
@@ -158,6 +175,8 @@ class LayerWeights:
             s.expert_gu = ctypes.cast(e.gate_up_ptrs, ctypes.c_void_p)
             s.expert_down = ctypes.cast(e.down_ptrs, ctypes.c_void_p)
             s.tegu, s.ted, s.egu_interleaved = e.gate_up[0].kind, e.down[0].kind, e.interleaved
+        if self.lora is not None:
+            s.lora = ctypes.cast(self.lora, ctypes.c_void_p)
 
 
 def model_struct(model: LlamaForCausalLM, block_size: int) -> Model:
@@ -167,6 +186,7 @@ def model_struct(model: LlamaForCausalLM, block_size: int) -> Model:
     attn = layers[0].self_attn
     moe = next((layer.mlp for layer in layers if isinstance(layer.mlp, FusedMoE)), None)
     _, scaled = _PLACEMENTS[type(layers[0]).forward]
+    lora = layers[0].self_attn.qkv_proj.lora
     return Model(
         num_layers=cfg.num_layers,
         hidden=cfg.hidden_size,
@@ -183,6 +203,8 @@ def model_struct(model: LlamaForCausalLM, block_size: int) -> Model:
         top_k=0 if moe is None else moe.top_k,
         expert_intermediate=0 if moe is None else moe.shard,
         renormalize=bool(moe is not None and moe.renormalize),
+        lora_rank=0 if lora is None else lora.max_rank,
+        lora_type=DENSE[lora.a.dtype] if lora is not None else 0,
         eps=cfg.rms_norm_eps,
         scale=attn.scale,
         softcap=attn.softcap,
@@ -213,6 +235,7 @@ def layer_weights(layer: LlamaDecoderLayer) -> LayerWeights:
         None if rotary is None else (rotary.cos, rotary.sin),
         attn.window,
         _experts(mlp) if isinstance(mlp, FusedMoE) else None,
+        _lora(layer),
     )
 
 
@@ -295,6 +318,36 @@ def _linears(layer: LlamaDecoderLayer) -> list[ColumnParallelLinear | RowParalle
     if isinstance(mlp, LlamaMLP):
         linears += [mlp.gate_up_proj, mlp.down_proj]
     return linears
+
+
+def _lora(layer: LlamaDecoderLayer) -> ctypes.Array[Lora] | None:
+    """The layer's `tl_lora`s (qkv, o, gate/up, down; a linear without slots left NULL), or
+    None with LoRA off. The buffers are the `LoraLinear`s', which live as long as the model."""
+    linears = [(lin.lora if lin is not None else None) for lin in _adapted(layer)]
+    if all(lora is None for lora in linears):
+        return None
+    structs = (Lora * 4)()
+    for s, lora in zip(structs, linears, strict=True):
+        if lora is not None:
+            _fill_lora(s, lora)
+    return structs
+
+
+def _adapted(layer: LlamaDecoderLayer) -> list[ColumnParallelLinear | RowParallelLinear | None]:
+    attn, mlp = layer.self_attn, layer.mlp
+    if isinstance(mlp, LlamaMLP):
+        return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    return [attn.qkv_proj, attn.o_proj, None, None]
+
+
+def _fill_lora(s: Lora, lora: LoraLinear) -> None:
+    if lora.bt is None or len(lora.parts) > LORA_MAX_PARTS:
+        raise CpuDecodeUnsupported("LoRA slots without the C step's layout (made on the CPU)")
+    s.a, s.bt, s.ranks = lora.a.data_ptr(), lora.bt.data_ptr(), lora.ranks.data_ptr()
+    s.parts, s.tiles = len(lora.parts), lora.bt.shape[1]
+    ends = torch.tensor(lora.parts).cumsum(0).tolist()
+    for p, end in enumerate(ends):
+        s.part_end[p] = end
 
 
 def _scale(norm: RMSNorm) -> torch.Tensor:

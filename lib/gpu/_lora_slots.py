@@ -17,6 +17,15 @@ The step's rows are grouped by slot once, by the runner (`LoraBatch.set`): each 
 token indexes of one adapter (a slice when they are contiguous). A linear then runs, after
 its base product, one low-rank matmul pair per active adapter, `out[idx] += (x[idx] @ a.T)
 @ b.T`; base rows (slot -1) cost nothing.
+
+On the CPU the C decode step adds the same deltas inside its own products (`csrc/tl_lora.h`),
+per token by its slot (`LoraBatch.token_slots`). It reads `a` as it is and B in its tiles'
+layout, kept beside `b` by `set_slot`:
+
+    bt [slots, tiles, R, 16]          (16 output rows side by side, each row's own part's R
+                                       columns of b: the block-diagonal's zeros left out)
+
+and `ranks` [slots] (int32), the rank each slot's adapter has in this linear (0: none).
 """
 
 from __future__ import annotations
@@ -33,9 +42,11 @@ class LoraBatch:
 
     def __init__(self) -> None:
         self.groups: list[Group] = []
+        self.token_slots: np.ndarray | None = None  # int32 per token, for the C step
 
     def set(self, token_slots: np.ndarray, device: torch.device) -> None:
         """Group the step's tokens by slot (-1: the base model, no delta)."""
+        self.token_slots = np.ascontiguousarray(token_slots, np.int32)
         groups: list[Group] = []
         for slot in np.unique(token_slots).tolist():
             if slot < 0:
@@ -50,6 +61,7 @@ class LoraBatch:
 
     def clear(self) -> None:
         self.groups = []
+        self.token_slots = None
 
 
 class LoraLinear:
@@ -79,15 +91,24 @@ class LoraLinear:
         self.max_rank = max_rank
         self.tp_rank = tp_rank
         self.batch = batch
-        width = len(parts) * max_rank
+        width, out = len(parts) * max_rank, sum(parts)
         self.a = torch.zeros(num_slots, width, in_local, dtype=dtype, device=device)
-        self.b = torch.zeros(num_slots, sum(parts), width, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, out, width, dtype=dtype, device=device)
+        self.bt: torch.Tensor | None = None  # the C step's B (CPU only)
+        self.ranks = torch.zeros(num_slots, dtype=torch.int32)
+        if device.type == "cpu":
+            tiles = -(-out // 16)
+            self.bt = torch.zeros(num_slots, tiles, max_rank, 16, dtype=dtype)
+            part = torch.repeat_interleave(torch.arange(len(parts)), torch.tensor(parts))
+            # row n's columns of b in bt: its part's R
+            self._bt_columns = part[:, None] * max_rank + torch.arange(max_rank)
 
     def set_slot(self, slot: int, weights: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Copy an adapter's (A [r, in], B [out, r]) of each part (None: not adapted) into
         `slot`, this rank's shard of them; the rest of the slot is zeroed."""
         self.a[slot].zero_()
         self.b[slot].zero_()
+        self.ranks[slot] = max((w[0].shape[0] for w in weights if w is not None), default=0)
         rows = 0
         for p, (size, pair) in enumerate(zip(self.parts, weights, strict=True)):
             if pair is not None:
@@ -100,6 +121,11 @@ class LoraLinear:
                 self.a[slot, col : col + r].copy_(a)
                 self.b[slot, rows : rows + size, col : col + r].copy_(b)
             rows += size
+        if self.bt is not None:
+            tiles, rank = self.bt.shape[1], self.max_rank
+            compact = torch.zeros(tiles * 16, rank, dtype=self.bt.dtype)
+            compact[:rows] = self.b[slot].gather(1, self._bt_columns)
+            self.bt[slot].copy_(compact.view(tiles, 16, rank).transpose(1, 2))
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` plus each row's adapter delta (in place; base rows unchanged)."""

@@ -8,9 +8,9 @@ logits only for the rows that reach their sequence's end (and for prompt positio
 requests), sample, and append the sampled tokens to the persistent rows. Pooling requests
 (embeddings) sample nothing: their rows go to the `Pooler`, which returns one float32 block.
 With `--enable-lora`, each row's adapter is put in a slot and the step's tokens are grouped
-by slot (`LoraManager.prepare`) before the forward; a step with adapters takes neither a CUDA
-graph nor the C decode step (their linears add no delta): the torch forward, with C's
-attention on CPU (`_forward`).
+by slot (`LoraManager.prepare`) before the forward; the C decode step adds the deltas in its
+own products (each token's slot), the torch linears in theirs; a CUDA graph adds none, so a
+step with adapters runs the eager forward on CUDA (`_forward`).
 """
 
 from __future__ import annotations
@@ -271,10 +271,10 @@ class ModelRunner:
             rnums = batch.scheduled_rnums.tolist()
             embeds = self.prompt_embeds.for_step(rnums, inputs, self._tensor)
         adapted = self.lora is not None and self.lora.prepare(inputs.rows, inputs.counts)
-        if adapted:
+        if adapted and self.graphs is not None:
             self._log_lora_fallback()
-        # Graphs and the C step read token ids, and add no adapter delta.
-        torch_only = fault or embeds is not None or adapted
+        # Graphs and the C step read token ids; graphs add no adapter delta (the C step does).
+        torch_only = fault or embeds is not None or (adapted and self.graphs is not None)
         path = choose_path(
             inputs, self.graphs, self.cpu_step, fault=torch_only, verify=drafts is not None
         )
@@ -392,13 +392,20 @@ class ModelRunner:
         if path is Path.C_STEP:
             assert self.cpu_step is not None
             ids, table = self._tensor(inputs.input_ids), self._block_table(inputs)
+            lora = None if self.lora is None else self.lora.batch.token_slots
             if len(inputs.input_ids) > len(inputs.rows):  # a verify step: a row per token
                 context, table = expand_verify_rows(inputs.counts, inputs.positions, table)
                 return self.cpu_step.run(
-                    ids, inputs.positions, inputs.slots, context, table, store_first=True
+                    ids,
+                    inputs.positions,
+                    inputs.slots,
+                    context,
+                    table,
+                    store_first=True,
+                    lora_slots=lora,
                 )
             return self.cpu_step.run(
-                ids, inputs.positions, inputs.slots, inputs.context_lens, table
+                ids, inputs.positions, inputs.slots, inputs.context_lens, table, lora_slots=lora
             )
         positions = self.model.rotary.rope_positions(
             inputs.positions, inputs.counts, inputs.context_lens
@@ -442,14 +449,13 @@ class ModelRunner:
             self.lora.remove(lora_id)
 
     def _log_lora_fallback(self) -> None:
-        if self._lora_fallback_logged or (self.cpu_step is None and self.graphs is None):
+        if self._lora_fallback_logged:
             return
         self._lora_fallback_logged = True
         if self.tp.rank == 0:
-            what = "the C decode step" if self.cpu_step is not None else "CUDA graphs"
             print(
-                f"trillm worker: steps with LoRA adapters run the torch forward, not {what} "
-                f"(the deltas are added by the torch linears; base-only steps still use it)",
+                "trillm worker: steps with LoRA adapters run the eager forward, not CUDA graphs "
+                "(the deltas are added by the torch linears; base-only steps still use them)",
                 file=sys.stderr,
                 flush=True,
             )

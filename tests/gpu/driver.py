@@ -24,6 +24,7 @@ class DriverRequest:
     max_tokens: int
     options: SamplingOptions = GREEDY
     arrival_step: int = 0
+    lora_id: int = 0  # the request's LoRA adapter (0: the base model)
     output: list[int] = field(default_factory=list)
     computed: int = 0
     blocks: list[int] = field(default_factory=list)
@@ -60,7 +61,14 @@ class Driver:
                     r.blocks.append(self.free_blocks.pop())
                 if not r.seen:
                     batch.new_requests.append(
-                        NewRequest(r.rnum, r.prompt, list(r.blocks), r.computed, r.options)
+                        NewRequest(
+                            r.rnum,
+                            r.prompt,
+                            list(r.blocks),
+                            r.computed,
+                            r.options,
+                            lora_id=r.lora_id,
+                        )
                     )
                     r.seen = True
                 else:

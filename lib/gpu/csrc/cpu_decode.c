@@ -23,7 +23,8 @@
  * scale of the model's own, sliding windows (the keys before a window are not read), layers
  * without rotary or with their own table, partial rotary (rotary rows come from the model's
  * tables, so longrope and its attention factor are the torch path's); a residual multiplier
- * (Granite); mixture-of-experts MLPs (`tl_moe.h`).
+ * (Granite); mixture-of-experts MLPs (`tl_moe.h`). LoRA adapters, per token by its slot,
+ * add their delta after each base product of q/k/v, o, gate/up and down (`tl_lora.h`).
  *
  * Built by lib/gpu/_native.py with -O3 -march=native -fopenmp; the vector types below become
  * AVX-512, AVX2 or SSE code as the CPU allows. OpenMP is the process's one libgomp (torch's,
@@ -49,7 +50,8 @@ static int64_t sum_rows(const struct tl_model *md, int M) {
 static int64_t private_floats(const struct tl_model *md, int M) {
     return (int64_t)M * md->hidden + WORK_FLOATS(md->head_dim) +
            sum_rows(md, M) * (widest_row(md) / 32 + 1) +
-           (md->num_experts ? route_floats(md, M) : 0);
+           (md->num_experts ? route_floats(md, M) : 0) +
+           (int64_t)M * LORA_MAX_PARTS * md->lora_rank;
 }
 
 /* Floats of scratch `trillm_decode` needs for M tokens on `threads` threads. */
@@ -115,12 +117,15 @@ static void residual_add(float *hidden, const float *y, const float *norm, int M
  * `store_first`: some token reads K/V another token of the step stores (a speculative
  * verify step: a sequence's k + 1 tokens come as k + 1 rows over the same blocks, each to
  * its own position), so every token's K/V are stored before any attends: one more barrier
- * a layer. */
+ * a layer.
+ *
+ * `lora_slots` [M] (NULL: no token has an adapter): token m's adapter slot, -1 for the base
+ * model; its delta joins each linear's product (`tl_lora.h`). */
 void trillm_decode(const struct tl_model *md, const struct tl_layer *layers,
                    const float *final_norm, float *hidden, float *out, int M,
                    const int64_t *rope_rows, const int64_t *slots, const int32_t *tables,
                    int table_stride, const int32_t *context_lens, float *scratch, int threads,
-                   int store_first) {
+                   int store_first, const int32_t *lora_slots) {
     const int H = md->hidden, D = md->head_dim, NH = md->num_heads, NKV = md->num_kv_heads;
     const int I = md->intermediate;
     const int Q = NH * D, KV = NKV * D, NQKV = Q + 2 * KV;
@@ -137,6 +142,9 @@ void trillm_decode(const struct tl_model *md, const struct tl_layer *layers,
         float *xn = private_base + tid * private_size, *work = xn + (size_t)M * H;
         float *xsum = work + WORK_FLOATS(D);
         float *route_mem = xsum + sum_rows(md, M) * (widest_row(md) / 32 + 1);
+        float *lora_t = route_mem + (md->num_experts ? route_floats(md, M) : 0);
+        struct tl_lora_rows lr = {NULL, lora_slots, lora_t, md->lora_rank, md->lora_type,
+                                  LORA_MAX_PARTS * md->lora_rank};
         int qkv_t0, qkv_t1, o_t0, o_t1, gu_t0, gu_t1, att0, att1, c0, c1;
         split((NQKV + 15) / 16, tid, nt, &qkv_t0, &qkv_t1);
         split((H + 15) / 16, tid, nt, &o_t0, &o_t1);
@@ -145,10 +153,11 @@ void trillm_decode(const struct tl_model *md, const struct tl_layer *layers,
         split(H, tid, nt, &c0, &c1);
         for (int l = 0; l < md->num_layers; l++) {
             const struct tl_layer *L = &layers[l];
+            const struct tl_lora *lora = lora_slots ? L->lora : NULL; /* [qkv, o, gu, d] */
             const float *x = block_in(hidden, L->ln1, M, H, eps, xn);
             linear_tiles(L->wqkv, L->tqkv, H, NQKV, L->bqkv, x, H, M,
                          sums_for(L->tqkv, x, M, H, xsum), qkv, NQKV, OUT_STORE, 1.0f, qkv_t0,
-                         qkv_t1);
+                         qkv_t1, lora ? lora_shrink(&lr, &lora[0], x, H, M, H) : NULL);
 #pragma omp barrier
             const struct tl_step step = {L,      L->k_cache,   L->v_cache, qkv,
                                          rope_rows, slots,     tables,     NULL,
@@ -162,14 +171,16 @@ void trillm_decode(const struct tl_model *md, const struct tl_layer *layers,
             }
 #pragma omp barrier
             const float *osum = sums_for(L->to, attn, M, Q, xsum);
+            const struct tl_lora_rows *olr = lora ? lora_shrink(&lr, &lora[1], attn, Q, M, Q)
+                                                  : NULL;
             if (L->ln_attn_out) { /* normed before it joins the stream: a whole row first */
                 linear_tiles(L->wo, L->to, Q, H, L->bo, attn, Q, M, osum, tmp, H, OUT_STORE,
-                             1.0f, o_t0, o_t1);
+                             1.0f, o_t0, o_t1, olr);
 #pragma omp barrier
                 residual_add(hidden, tmp, L->ln_attn_out, M, H, eps, alpha, c0, c1);
             } else {
                 linear_tiles(L->wo, L->to, Q, H, L->bo, attn, Q, M, osum, hidden, H, OUT_ADD,
-                             alpha, o_t0, o_t1);
+                             alpha, o_t0, o_t1, olr);
             }
 #pragma omp barrier
             x = block_in(hidden, L->ln2, M, H, eps, xn);
@@ -182,17 +193,20 @@ void trillm_decode(const struct tl_model *md, const struct tl_layer *layers,
                 residual_add(hidden, tmp, L->ln_ff_out, M, H, eps, alpha, c0, c1);
             } else {
                 gate_up_tiles(L->wgu, L->tgu, H, x, H, M, sums_for(L->tgu, x, M, H, xsum), act,
-                              I, gu_t0, gu_t1, md->act, 1);
+                              I, gu_t0, gu_t1, md->act, 1,
+                              lora ? lora_shrink(&lr, &lora[2], x, H, M, H) : NULL);
 #pragma omp barrier
                 const float *dsum = sums_for(L->td, act, M, I, xsum);
+                const struct tl_lora_rows *dlr = lora ? lora_shrink(&lr, &lora[3], act, I, M, I)
+                                                      : NULL;
                 if (L->ln_ff_out) {
                     linear_tiles(L->wd, L->td, I, H, NULL, act, I, M, dsum, tmp, H, OUT_STORE,
-                                 1.0f, o_t0, o_t1);
+                                 1.0f, o_t0, o_t1, dlr);
 #pragma omp barrier
                     residual_add(hidden, tmp, L->ln_ff_out, M, H, eps, alpha, c0, c1);
                 } else {
                     linear_tiles(L->wd, L->td, I, H, NULL, act, I, M, dsum, hidden, H, OUT_ADD,
-                                 alpha, o_t0, o_t1);
+                                 alpha, o_t0, o_t1, dlr);
                 }
             }
 #pragma omp barrier
@@ -221,7 +235,7 @@ int trillm_linear(const void *w, int wtype, int K, int N, const float *x, int M,
 #pragma omp barrier
         }
         split((N + 15) / 16, tid, nt, &t0, &t1);
-        linear_tiles(w, wtype, K, N, NULL, x, K, M, xsum, out, N, OUT_STORE, 1.0f, t0, t1);
+        linear_tiles(w, wtype, K, N, NULL, x, K, M, xsum, out, N, OUT_STORE, 1.0f, t0, t1, NULL);
     }
     free(xsum);
     return 0;

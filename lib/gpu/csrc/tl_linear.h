@@ -2,6 +2,7 @@
 #ifndef TL_LINEAR_H
 #define TL_LINEAR_H
 
+#include "tl_lora.h"
 #include "tl_vec.h"
 
 /* acc[i] = sum_k tile[k] * x[i * ldx + k] for ROWS tokens; two chains per token. */
@@ -229,10 +230,11 @@ enum { OUT_STORE = 0, OUT_ADD = 1 };
 
 /* out[m, n] = (OUT_STORE) or += alpha * (OUT_ADD) x[m] . w[n] + bias[n] for the tiles
  * [t0, t1) and every token m < M; rows n >= N (the last tile's padding) are not written.
- * `xsum`: `group_sums` of x (Q4). */
+ * `xsum`: `group_sums` of x (Q4). `lora` (NULL: none): the tokens' adapter deltas, added to
+ * x[m] . w[n] (`tl_lora.h`). */
 static void linear_tiles(const void *w, int wtype, int K, int N, const float *bias,
                          const float *x, int ldx, int M, const float *xsum, float *out, int ldo,
-                         int mode, float alpha, int t0, int t1) {
+                         int mode, float alpha, int t0, int t1, const struct tl_lora_rows *lora) {
     f32x16 acc[2][MAX_ROWS];
     const int G = wtype == TL_Q4 ? K / 32 : 0, dense = wtype == TL_F32 || wtype == TL_BF16;
     for (int t = t0; t < t1;) {
@@ -250,6 +252,7 @@ static void linear_tiles(const void *w, int wtype, int K, int N, const float *bi
             for (int p = 0; p < tiles; p++) {
                 int n0 = (t + p) * 16, width = N - n0 < 16 ? N - n0 : 16;
                 for (int i = 0; i < done; i++) {
+                    if (lora) acc[p][i] += lora_delta(lora, t + p, m + i);
                     float *o = out + (size_t)(m + i) * ldo + n0;
                     for (int r = 0; r < width; r++) {
                         float v = acc[p][i][r] + (bias ? bias[n0 + r] : 0.0f);
@@ -273,10 +276,11 @@ static inline f32x16 gated16(f32x16 g, f32x16 u, int act) {
 
 /* act[m, j] = act(gate[m, j]) * up[m, j] for the 16-wide columns [j0, j1): gate/up tiles
  * interleaved (tile 2j, 2j + 1; the dense MLP's), or in two halves (j, I / 16 + j: a GGUF
- * expert's, as `pack_quantized` keeps it). */
+ * expert's, as `pack_quantized` keeps it). `lora` (NULL: none): the adapter deltas of the
+ * [gate | up] rows, added before the activation. */
 static void gate_up_tiles(const void *w, int wtype, int K, const float *x, int ldx, int M,
                           const float *xsum, float *act, int I, int j0, int j1, int kind,
-                          int interleaved) {
+                          int interleaved, const struct tl_lora_rows *lora) {
     f32x16 g[MAX_ROWS], u[MAX_ROWS];
     const int G = wtype == TL_Q4 ? K / 32 : 0, dense = wtype == TL_F32 || wtype == TL_BF16;
     for (int j = j0; j < j1; j++) {
@@ -290,6 +294,10 @@ static void gate_up_tiles(const void *w, int wtype, int K, const float *x, int l
             } else {
                 done = tile_dot(w, wtype, K, gt, xm, ldx, sm, G, M - m, g);
                 tile_dot(w, wtype, K, ut, xm, ldx, sm, G, done, u);
+            }
+            for (int i = 0; lora && i < done; i++) {
+                g[i] += lora_delta(lora, j, m + i);
+                u[i] += lora_delta(lora, I / 16 + j, m + i);
             }
             for (int i = 0; i < done; i++) {
                 f32x16 a = gated16(g[i], u[i], kind);

@@ -41,7 +41,9 @@ enum { QK_NONE = 0, QK_HEAD = 1, QK_PROJECTION = 2 }; /* where q and k are RMS-n
  * (the model's `RotaryEmbedding.cos` / `.sin`, in the cache's type, rows of rotary_dim: cos |
  * cos and -sin | sin), NULL for a layer without rotary. `window` > 0: a query at position p
  * reads keys p - window < j <= p. With `router` set the MLP is a mixture of experts (`tl_moe.h`):
- * the router's tiles [num_experts rows], each expert's gate/up and down tiles. */
+ * the router's tiles [num_experts rows], each expert's gate/up and down tiles. `lora`
+ * (NULL: LoRA off): the adapter slots of qkv, o, gate/up and down (`tl_lora.h`). */
+struct tl_lora;
 struct tl_layer {
     const float *ln1, *ln2, *ln_attn_out, *ln_ff_out, *q_norm, *k_norm;
     const void *wqkv, *wo, *wgu, *wd;
@@ -50,6 +52,7 @@ struct tl_layer {
     const void *router;
     const void *const *expert_gu, *const *expert_down; /* [num_experts] */
     void *k_cache, *v_cache; /* [blocks, block_size, kv_heads, head_dim], cache_type */
+    const struct tl_lora *lora; /* [4] */
     int32_t tqkv, to, tgu, td, trouter, tegu, ted;
     int32_t egu_interleaved; /* expert gate/up tiles: interleaved (2j, 2j + 1), or [gate | up] */
     int32_t window;
@@ -58,11 +61,13 @@ struct tl_layer {
 /* The model's shape and the operations its family chooses. `scale`: of q.k; `softcap` > 0:
  * scores are softcap * tanh(score / softcap); `residual`: each block's output is multiplied
  * by it before the add (Granite). Experts: `num_experts` of `expert_intermediate`, `top_k` a
- * token, their router weights renormalised to sum 1 when `renormalize`. */
+ * token, their router weights renormalised to sum 1 when `renormalize`. LoRA: `lora_rank`
+ * R of the slot buffers (0: off), `lora_type` theirs (TL_F32 or TL_BF16). */
 struct tl_model {
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
     int32_t cache_type, qk_norm, rotary_dim, act;
     int32_t num_experts, top_k, expert_intermediate, renormalize;
+    int32_t lora_rank, lora_type;
     float eps, scale, softcap, residual;
 };
 
