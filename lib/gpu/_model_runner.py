@@ -7,6 +7,9 @@ attention in the torch forward, or the torch forward with its attention metadata
 logits only for the rows that reach their sequence's end (and for prompt positions of `echo`
 requests), sample, and append the sampled tokens to the persistent rows. Pooling requests
 (embeddings) sample nothing: their rows go to the `Pooler`, which returns one float32 block.
+A step runs Python per request only for the requests that need it: the sampling options
+are columns by row (`SamplingRows`), prompt logprobs are looked for only while some request
+owes them, and on CUDA the sampled tokens and any prompt logprobs are read in one sync, last.
 With `--enable-lora`, each row's adapter is put in a slot and the step's tokens are grouped
 by slot (`LoraManager.prepare`) before the forward; the C decode step adds the deltas in its
 own products (each token's slot), the torch linears in theirs; a CUDA graph adds none, so a
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import NamedTuple
 
 import msgspec
 import numpy as np
@@ -44,6 +48,7 @@ from ._pooler import Pooler
 from ._prompt_embeds import Embeds, PromptEmbeds
 from ._sampler import Sampler, SamplerOutput, compute_logprobs
 from ._sampling_batch import RequestSamplingState, SamplingBatch
+from ._sampling_rows import SamplingRows
 from ._speculator import StepDrafts
 from ._startup_log import StartupLog
 from ._step_batch import PromptLogprobs, RunnerOutput, StepBatch
@@ -74,6 +79,8 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.inputs = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size)
         self.sampling: dict[int, RequestSamplingState] = {}  # generation requests only
+        self.sampling_rows = SamplingRows(config.max_num_seqs)  # their options, by row
+        self._owe_prompt_logprobs: set[int] = set()  # asked, and their prompt is not done
         self.pooler = Pooler()  # pooling requests (embeddings): they sample nothing
         self.prompt_embeds = PromptEmbeds(model_config.hidden_size)  # prompts sent as vectors
         self.sampler = Sampler()
@@ -293,22 +300,29 @@ class ModelRunner:
             return RunnerOutput(
                 rnums,
                 np.zeros(0, np.int32),
-                prompt_logprobs=prompt_logprobs,
+                prompt_logprobs=_host_prompt_logprobs(prompt_logprobs),
                 pooled_rnums=pooled_rnums,
                 pooled=pooled,
             )
         last = inputs.token_starts[sampling] + inputs.counts[sampling] - 1
-        states = [self.sampling[int(r)] for r in rnums]
         if drafts is not None:
+            states = [self.sampling[int(r)] for r in rnums]
             output = self._verify(batch, masks, drafts, inputs, hidden, sampling, states)
-            output.prompt_logprobs = prompt_logprobs
+            output.prompt_logprobs = _host_prompt_logprobs(prompt_logprobs)
         else:
             logits = (self.cpu_step or self.model).compute_logits(hidden[self._tensor(last)])
             if len(batch.grammar_rnums):
                 bitmask = step_bitmask(batch, masks)
                 apply_grammar_bitmask(logits, rnums, batch.grammar_rnums, bitmask)
-            sampled = self.sampler(logits, self._sampling_batch(states))
-            output = self._finish(inputs, sampling, rnums, states, sampled, prompt_logprobs)
+            rows = inputs.rows[sampling]
+            sampling_batch = self.sampling_rows.batch(
+                rows,
+                eos_token_id=self.eos_token_id,
+                vocab_size=self.model_config.vocab_size,
+                device=self.device,
+            )
+            sampled = self.sampler(logits, sampling_batch)
+            output = self._finish(rows, rnums, sampled, prompt_logprobs)
         if batch.num_speculative_tokens:
             output.draft_offsets, output.draft_token_ids = self._propose(
                 batch.num_speculative_tokens, inputs.rows[sampling]
@@ -463,18 +477,23 @@ class ModelRunner:
     def remove_requests(self, rnums: np.ndarray) -> None:
         """Forget the requests `rnums` (their rows and sampling state); unknown ones too."""
         for rnum in rnums.tolist():
-            if self.lora is not None and (row := self.inputs.row_of.get(rnum)) is not None:
-                self.lora.remove_row(row)
+            if (row := self.inputs.row_of.get(rnum)) is not None:
+                self.sampling_rows.remove(row)
+                if self.lora is not None:
+                    self.lora.remove_row(row)
             self.inputs.remove(rnum)
             self.sampling.pop(rnum, None)
+            self._owe_prompt_logprobs.discard(rnum)
             self.pooler.remove(rnum)
             self.prompt_embeds.remove(rnum)
 
     def _update_requests(self, batch: StepBatch) -> None:
         self.remove_requests(batch.finished_rnums)
         for request in batch.new_requests:
-            if self.lora is not None and (old := self.inputs.row_of.get(request.rnum)) is not None:
-                self.lora.remove_row(old)
+            if (old := self.inputs.row_of.get(request.rnum)) is not None:
+                self.sampling_rows.remove(old)
+                if self.lora is not None:
+                    self.lora.remove_row(old)
             row = self.inputs.add(request)
             if self.drafter is not None:
                 self.drafter.forget_rows([row])
@@ -492,17 +511,17 @@ class ModelRunner:
             )
             state.output_token_ids.extend(request.output_token_ids)
             self.sampling[request.rnum] = state
-        row_of = self.inputs.row_of
-        for rnum, blocks, computed in zip(
-            batch.cached_rnums.tolist(),
-            batch.cached_new_block_ids,
-            batch.cached_num_computed.tolist(),
-            strict=True,
-        ):
-            row = row_of[rnum]
-            if blocks:
-                self.inputs.append_blocks(row, blocks)
-            self.inputs.num_computed[row] = computed
+            self.sampling_rows.add(row, state)
+            if request.options.prompt_logprobs is not None:
+                self._owe_prompt_logprobs.add(request.rnum)
+        if not len(batch.cached_rnums):
+            return
+        rows = self.inputs.rows_of(batch.cached_rnums)
+        self.inputs.num_computed[rows] = batch.cached_num_computed
+        if any(batch.cached_new_block_ids):  # most decode steps: none
+            for row, blocks in zip(rows.tolist(), batch.cached_new_block_ids, strict=True):
+                if blocks:
+                    self.inputs.append_blocks(row, blocks)
 
     def _sampling_batch(self, states: list[RequestSamplingState]) -> SamplingBatch:
         return SamplingBatch.build(
@@ -514,30 +533,31 @@ class ModelRunner:
 
     def _finish(
         self,
-        inputs: StepInputs,
-        sampling: np.ndarray,
+        rows: np.ndarray,
         rnums: np.ndarray,
-        states: list[RequestSamplingState],
         sampled: SamplerOutput,
-        prompt_logprobs: dict[int, PromptLogprobs],
+        prompt_logprobs: list[_PendingPromptLogprobs],
     ) -> RunnerOutput:
-        token_ids, logprobs, topk_ids, topk_logprobs = _to_host(
+        """Read the step's tokens (and the prompt logprobs with them: the step's one sync on
+        CUDA, after every other host step), then append them to `rows`."""
+        pending = [t for p in prompt_logprobs for t in p.tensors]
+        token_ids, logprobs, topk_ids, topk_logprobs, *prompt = _to_host(
             sampled.token_ids.to(torch.int32),
             sampled.logprobs,
             sampled.topk_ids,
             sampled.topk_logprobs,
+            *pending,
         )
         assert token_ids is not None
-        self.inputs.append_tokens(inputs.rows[sampling], token_ids)
-        for state, token in zip(states, token_ids.tolist(), strict=True):
-            state.output_token_ids.append(token)
+        self.inputs.append_tokens(rows, token_ids)
+        self.sampling_rows.append_outputs(rows, token_ids)
         return RunnerOutput(
             rnums,
             token_ids,
             logprobs=logprobs,
             topk_ids=topk_ids,
             topk_logprobs=topk_logprobs,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=_hosted_prompt_logprobs(prompt_logprobs, prompt),
         )
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
@@ -562,27 +582,62 @@ class ModelRunner:
 
     def _prompt_logprobs(
         self, batch: StepBatch, inputs: StepInputs, hidden: torch.Tensor
-    ) -> dict[int, PromptLogprobs]:
-        """Logprobs of the prompt tokens this step covers, for requests that asked (echo)."""
-        result: dict[int, PromptLogprobs] = {}
-        for i, rnum in enumerate(batch.scheduled_rnums.tolist()):
-            state = self.sampling.get(rnum)  # None: a pooling request
-            k = None if state is None else state.options.prompt_logprobs
+    ) -> list[_PendingPromptLogprobs]:
+        """Logprobs of the prompt tokens this step covers, for requests that asked (echo),
+        still on the device (read with the sampled tokens). Python only over the requests
+        that owe some: none in most steps."""
+        owed = self._owe_prompt_logprobs
+        if not owed:
+            return []
+        scheduled = batch.scheduled_rnums
+        asked = np.isin(scheduled, np.fromiter(owed, np.uint64, len(owed)))
+        result: list[_PendingPromptLogprobs] = []
+        for i in np.flatnonzero(asked).tolist():
+            rnum = int(scheduled[i])
+            k = self.sampling[rnum].options.prompt_logprobs
+            assert k is not None  # owed only by requests that asked
             row = int(inputs.rows[i])
             prompt_len = int(self.inputs.num_prompt_tokens[row])
             start = int(inputs.context_lens[i] - inputs.counts[i])
-            if k is None or start >= prompt_len - 1:
-                continue
             end = min(int(inputs.context_lens[i]), prompt_len - 1)  # positions that score p+1
+            if end >= prompt_len - 1:
+                owed.discard(rnum)  # its last prompt position is scored now (or was)
+            if start >= end:
+                continue
             first = int(inputs.token_starts[i])
             assert self.model is not None
             logits = self.model.compute_logits(hidden[first : first + end - start])
             targets = self._tensor(self.inputs.token_ids[row, start + 1 : end + 1].astype(np.int64))
-            logprobs, topk_ids, topk_logprobs = compute_logprobs(logits, targets, k)
-            result[rnum] = PromptLogprobs(
-                start + 1, logprobs.cpu().numpy(), _numpy(topk_ids), _numpy(topk_logprobs)
-            )
+            tensors = compute_logprobs(logits, targets, k)
+            result.append(_PendingPromptLogprobs(rnum, start + 1, tensors))
         return result
+
+
+class _PendingPromptLogprobs(NamedTuple):
+    """One request's prompt logprobs of a step, before they are read to the host."""
+
+    rnum: int
+    first_position: int
+    tensors: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+def _hosted_prompt_logprobs(
+    pending: list[_PendingPromptLogprobs], hosted: list[np.ndarray | None]
+) -> dict[int, PromptLogprobs]:
+    """`pending`'s records from their tensors read to the host (`hosted`, in order)."""
+    result: dict[int, PromptLogprobs] = {}
+    for i, p in enumerate(pending):
+        logprobs, topk_ids, topk_logprobs = hosted[3 * i : 3 * i + 3]
+        assert logprobs is not None
+        result[p.rnum] = PromptLogprobs(p.first_position, logprobs, topk_ids, topk_logprobs)
+    return result
+
+
+def _host_prompt_logprobs(pending: list[_PendingPromptLogprobs]) -> dict[int, PromptLogprobs]:
+    """`pending`'s records, read to the host (in a step that samples nothing)."""
+    if not pending:
+        return {}
+    return _hosted_prompt_logprobs(pending, _to_host(*(t for p in pending for t in p.tensors)))
 
 
 def _numpy(tensor: torch.Tensor | None) -> np.ndarray | None:

@@ -2,22 +2,25 @@
 
 A step's rows rarely use more than a few of the sampling options, so the batch holds tensors
 only for the options some row uses: a batch of plain greedy rows is an empty record and the
-sampler does one argmax. `SamplingBatch.build` costs O(batch) Python per step plus, for
-penalised rows, O(tokens appended since the last step) (see `RequestSamplingState`). It never
-waits for the device: its decisions are made on host data and its tensors reach the device in
-one non-blocking copy from pinned memory.
+sampler does one argmax. The batch is made from the rows' options as numpy columns
+(`SamplingColumns`; the runner keeps them per row, `_sampling_rows`), so a step pays Python
+only for the rows that need their request's state (logit_bias, min_tokens, penalties: plus,
+for penalised rows, O(tokens appended since the last step), see `RequestSamplingState`) and
+for seeded rows. `SamplingBatch.build` makes the columns from a list of states, O(batch)
+Python. It never waits for the device: its decisions are made on host data and its tensors
+reach the device in one non-blocking copy from pinned memory.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from ..wire import SamplingOptions
 from ._pinned import HostStaging
 from ._sampling_state import RequestSamplingState as RequestSamplingState
 from ._sampling_state import TokenIdOutOfVocabError as TokenIdOutOfVocabError
@@ -122,7 +125,8 @@ class SamplingBatch:
         """Gather this step's rows into tensors on `device`, without waiting for the device.
 
         Every decision is made on host data; the tensors reach the device in one
-        non-blocking copy from pinned memory (see `HostStaging`).
+        non-blocking copy from pinned memory (see `HostStaging`). O(batch) Python: the model
+        runner's steps go through `SamplingRows`' columns instead.
 
         Args:
             rows: the requests sampled this step, in the order of the logits' rows.
@@ -136,53 +140,142 @@ class SamplingBatch:
         Raises:
             TokenIdOutOfVocabError: a row's logit_bias, stop or prompt ids are >= vocab_size.
         """
-        random_rows: list[int] = []
+        return cls.from_columns(
+            SamplingColumns.of(rows),
+            eos_token_id=eos_token_id,
+            vocab_size=vocab_size,
+            device=device,
+        )
+
+    @classmethod
+    def greedy(cls, num_rows: int, vocab_size: int) -> SamplingBatch:
+        """The batch of rows that are all plain greedy: the sampler does one argmax."""
+        return cls(num_rows, vocab_size, None, None, None, None, None)
+
+    @classmethod
+    def from_columns(
+        cls,
+        columns: SamplingColumns,
+        *,
+        eos_token_id: int | None,
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingBatch:
+        """`build` from the rows' options as columns: numpy over the batch, and Python only
+        over the rows in `columns.special` and `columns.seeded` (arguments as `build`'s)."""
+        num_rows = columns.num_rows
         bias_rows: list[int] = []
         penalty_rows: list[int] = []
         masked_rows: list[int] = []
         masked_ids: list[npt.NDArray[np.int64]] = []
-        max_logprobs: int | None = None
-        for i, row in enumerate(rows):
+        states: dict[int, RequestSamplingState] = {}
+        for i, row in columns.special:
             options = row.options
-            if not options.is_greedy:
-                random_rows.append(i)
-            if options.logit_bias or options.min_tokens or options.needs_penalties:
-                row.check_token_ids(vocab_size)
-                if options.logit_bias:
-                    bias_rows.append(i)
-                if options.needs_penalties:
-                    penalty_rows.append(i)
-                if options.min_tokens:
-                    ids = row.min_tokens_masked_ids(eos_token_id)
-                    if ids is not None and ids.size:
-                        masked_rows.append(i)
-                        masked_ids.append(ids)
-            k = options.logprobs
-            if k is not None and (max_logprobs is None or k > max_logprobs):
-                max_logprobs = k
+            row.check_token_ids(vocab_size)
+            states[i] = row
+            if options.logit_bias:
+                bias_rows.append(i)
+            if options.needs_penalties:
+                penalty_rows.append(i)
+            if options.min_tokens:
+                ids = row.min_tokens_masked_ids(eos_token_id)
+                if ids is not None and ids.size:
+                    masked_rows.append(i)
+                    masked_ids.append(ids)
+        k = -1 if columns.logprobs is None else int(columns.logprobs.max(initial=-1))
+        random_rows = None if columns.random is None else np.flatnonzero(columns.random)
         staging = HostStaging()
-        random = _stage_random_rows(rows, random_rows, vocab_size, staging) if random_rows else None
-        bias = _stage_logit_bias(rows, bias_rows, vocab_size, staging) if bias_rows else None
+        random = (
+            _stage_random_rows(columns, random_rows, vocab_size, staging)
+            if random_rows is not None and len(random_rows)
+            else None
+        )
+        bias = _stage_logit_bias(states, bias_rows, vocab_size, staging) if bias_rows else None
         masked = (
             _stage_token_edits(masked_rows, masked_ids, None, vocab_size, staging)
             if masked_rows
             else None
         )
         penalties = (
-            _stage_penalty_rows(rows, penalty_rows, vocab_size, staging, device)
+            _stage_penalty_rows(states, penalty_rows, num_rows, vocab_size, staging, device)
             if penalty_rows
             else None
         )
         staging.upload(device)
         return cls(
-            num_rows=len(rows),
+            num_rows=num_rows,
             vocab_size=vocab_size,
             random=None if random is None else random(),
             logit_bias=None if bias is None else bias(),
             min_tokens_mask=None if masked is None else masked(),
             penalties=None if penalties is None else penalties(),
-            max_logprobs=max_logprobs,
+            max_logprobs=None if k < 0 else k,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingColumns:
+    """A step's rows' options as numpy columns ([B] each, in the logits' row order), and
+    the few rows whose request state the batch needs: what `SamplingBatch.from_columns`
+    reads. A column is None where every row has its default (`COLUMN_DEFAULTS`), so the
+    common steps gather and check only the columns some live request sets; each row's
+    values are `option_columns`'."""
+
+    num_rows: int
+    random: np.ndarray | None  # bool: temperature > 0
+    temperature: np.ndarray | None  # float64
+    top_k: np.ndarray | None  # int64, 0: off
+    top_p: np.ndarray | None  # float64
+    min_p: np.ndarray | None  # float64
+    logprobs: np.ndarray | None  # int64, -1: none asked
+    special: Sequence[tuple[int, RequestSamplingState]]  # logit_bias, min_tokens, penalties
+    seeded: Sequence[tuple[int, torch.Generator]]  # rows with a generator (random or not)
+
+    @classmethod
+    def of(cls, rows: Sequence[RequestSamplingState]) -> SamplingColumns:
+        """The columns of `rows` (a Python loop over them)."""
+        values = [option_columns(r.options) for r in rows]
+        by_column = list(zip(*values, strict=True)) if values else [()] * len(COLUMN_DTYPES)
+        columns: list[np.ndarray | None] = [
+            np.array(column, dtype) if any(v != default for v in column) else None
+            for column, dtype, default in zip(
+                by_column, COLUMN_DTYPES, COLUMN_DEFAULTS, strict=True
+            )
+        ]
+        random, temperature, top_k, top_p, min_p, logprobs = columns
+        return cls(
+            len(rows),
+            random,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            logprobs,
+            [(i, r) for i, r in enumerate(rows) if needs_state(r.options)],
+            [(i, r.generator) for i, r in enumerate(rows) if r.generator is not None],
+        )
+
+
+COLUMN_DTYPES = (np.bool_, np.float64, np.int64, np.float64, np.float64, np.int64)
+COLUMN_DEFAULTS = (False, 1.0, 0, 1.0, 0.0, -1)
+
+
+def option_columns(options: SamplingOptions) -> tuple[bool, float, int, float, float, int]:
+    """One row's values of `SamplingColumns`' columns, in `COLUMN_DTYPES`' order."""
+    k = -1 if options.logprobs is None else options.logprobs
+    return (
+        not options.is_greedy,
+        options.temperature,
+        max(options.top_k, 0),
+        options.top_p,
+        options.min_p,
+        k,
+    )
+
+
+def needs_state(options: SamplingOptions) -> bool:
+    """Whether a row's batch entries need its request's state (token ids, outputs)."""
+    return bool(options.logit_bias or options.min_tokens or options.needs_penalties)
 
 
 # Each _stage_* puts its group's host arrays in the staging buffer and returns the function
@@ -190,52 +283,68 @@ class SamplingBatch:
 
 
 def _stage_random_rows(
-    rows: Sequence[RequestSamplingState],
-    indices: list[int],
+    columns: SamplingColumns,
+    indices: npt.NDArray[np.intp],
     vocab_size: int,
     staging: HostStaging,
 ) -> Callable[[], RandomRows]:
-    options = [rows[i].options for i in indices]
-    top_ks = [min(o.top_k, vocab_size) if o.top_k > 0 else 0 for o in options]
-    max_top_k = max(top_ks)
-    generators = [rows[i].generator for i in indices]
-    seeded = tuple((j, g) for j, g in enumerate(generators) if g is not None)
-    row_slot = _stage_rows(indices, len(rows), staging)
-    temperature = None
-    if any(o.temperature != 1.0 for o in options):
-        temperature = staging.add(np.array([o.temperature for o in options], np.float32))
-    top_k = None
-    if max_top_k:
-        top_k = staging.add(np.array([k or vocab_size for k in top_ks], np.int64))
-    top_p = None
-    if any(o.top_p < 1.0 for o in options):
-        top_p = staging.add(np.array([min(o.top_p, 1.0) for o in options], np.float32))
-    log_min_p = None
-    if any(o.min_p > 0.0 for o in options):
-        log_min_p = staging.add(
-            np.array(
-                [math.log(o.min_p) if o.min_p > 0.0 else -math.inf for o in options], np.float32
-            )
+    num_random = len(indices)
+    seeded: tuple[tuple[int, torch.Generator], ...] = ()
+    if columns.seeded:  # (position among the random rows, generator) of those with one
+        at = np.searchsorted(indices, [i for i, _ in columns.seeded]).tolist()
+        seeded = tuple(
+            (j, g)
+            for j, (i, g) in zip(at, columns.seeded, strict=True)
+            if j < num_random and indices[j] == i
         )
+    row_slot = _stage_rows(indices, columns.num_rows, staging)
+    temperature_slot = None
+    if columns.temperature is not None:
+        temperature = columns.temperature[indices]
+        if (temperature != 1.0).any():
+            temperature_slot = staging.add(temperature.astype(np.float32))
+    top_k, top_k_slot, max_top_k = None, None, 0
+    if columns.top_k is not None:
+        top_k = np.minimum(columns.top_k[indices], vocab_size)
+        max_top_k = int(top_k.max())
+        if max_top_k:
+            top_k_slot = staging.add(np.where(top_k > 0, top_k, vocab_size))
+    top_p_slot, top_p_rows_set_top_k = None, True
+    if columns.top_p is not None:
+        top_p = columns.top_p[indices]
+        top_p_on = top_p < 1.0
+        if top_p_on.any():
+            top_p_slot = staging.add(np.minimum(top_p, 1.0).astype(np.float32))
+            top_p_rows_set_top_k = top_k is not None and bool((top_k[top_p_on] > 0).all())
+    log_min_p = None
+    if columns.min_p is not None:
+        min_p = columns.min_p[indices]
+        min_p_on = min_p > 0.0
+        if min_p_on.any():
+            logs = np.log(np.where(min_p_on, min_p, 1.0))
+            log_min_p = staging.add(np.where(min_p_on, logs, -np.inf).astype(np.float32))
 
     def finish() -> RandomRows:
         return RandomRows(
             rows=_uploaded(staging, row_slot),
-            temperature=_uploaded(staging, temperature),
-            top_k=_uploaded(staging, top_k),
+            temperature=_uploaded(staging, temperature_slot),
+            top_k=_uploaded(staging, top_k_slot),
             max_top_k=max_top_k,
-            top_p=_uploaded(staging, top_p),
-            top_p_rows_set_top_k=all(o.top_k > 0 for o in options if o.top_p < 1.0),
+            top_p=_uploaded(staging, top_p_slot),
+            top_p_rows_set_top_k=top_p_rows_set_top_k,
             log_min_p=_uploaded(staging, log_min_p),
             seeded=seeded,
-            all_seeded=len(seeded) == len(indices),
+            all_seeded=len(seeded) == num_random,
         )
 
     return finish
 
 
 def _stage_logit_bias(
-    rows: Sequence[RequestSamplingState], indices: list[int], vocab_size: int, staging: HostStaging
+    rows: Mapping[int, RequestSamplingState],
+    indices: list[int],
+    vocab_size: int,
+    staging: HostStaging,
 ) -> Callable[[], LogitEdits]:
     states = [rows[i] for i in indices]
     values = np.concatenate([s._bias_values for s in states])
@@ -256,8 +365,9 @@ def _stage_token_edits(
 
 
 def _stage_penalty_rows(
-    rows: Sequence[RequestSamplingState],
+    rows: Mapping[int, RequestSamplingState],
     indices: list[int],
+    num_rows: int,
     vocab_size: int,
     staging: HostStaging,
     device: torch.device,
@@ -269,7 +379,7 @@ def _stage_penalty_rows(
     prompt_index = None
     if (repetition != 1.0).any():
         prompt_index = staging.add(_flat_index([s.prompt_token_ids for s in states], vocab_size))
-    row_slot = _stage_rows(indices, len(rows), staging)
+    row_slot = _stage_rows(indices, num_rows, staging)
     repetition_slot = staging.add(repetition)
     frequency = staging.add(np.array([o.frequency_penalty for o in options], np.float32))
     presence = staging.add(np.array([o.presence_penalty for o in options], np.float32))
@@ -296,11 +406,13 @@ def _stage_penalty_rows(
     return finish
 
 
-def _stage_rows(indices: list[int], num_rows: int, staging: HostStaging) -> int | None:
+def _stage_rows(
+    indices: list[int] | npt.NDArray[np.intp], num_rows: int, staging: HostStaging
+) -> int | None:
     """Stage a group's batch rows; None (no tensor) when the group is the whole batch."""
     if len(indices) == num_rows:
         return None
-    return staging.add(np.array(indices, np.int64))
+    return staging.add(np.asarray(indices, np.int64))
 
 
 def _uploaded(staging: HostStaging, slot: int | None) -> torch.Tensor | None:
