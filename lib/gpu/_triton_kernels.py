@@ -114,7 +114,10 @@ def _softcap(s, cap):
     return cap * tl.where(x < 0.0, -t, t)
 
 
-@triton.jit
+# The block table's row stride is the step's table width on the eager path (1 block, then 3,
+# ...: a new variant each time Triton's key for it changes, mid-serving); the window is a
+# layer's, unspecialised so that no model's value (1, a multiple of 16) makes one variant more.
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def _attention_kernel(
     out_ptr,  # [T, H, D], or the segment buffers' owner when NUM_SEGMENTS > 1
     segm_out_ptr,  # [T, H, NUM_SEGMENTS, D] float32 (unused with one segment)
