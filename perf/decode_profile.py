@@ -20,6 +20,11 @@ sampling and host work (`_step_split.py`), each part's GFLOP/s against the FMA p
 in the same run (a 2048 and a 4096 square fp32 matmul, oneDNN's and MKL's, on every thread):
 
     python perf/decode_profile.py --split --batch 32 [--new-tokens 24] [--repeats 3]
+        [--threads 1 --cpu-time]
+
+On a busy machine two OpenMP threads wait for each other at every barrier while the other
+work holds the cores, and wall times mean little: `--threads 1 --cpu-time` measures one
+thread's efficiency by the process's CPU time instead, the peak likewise.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -95,27 +101,35 @@ def op_profile(worker: Worker, batch: list[list[int]], new_tokens: int) -> dict[
 
 def split_main(args: argparse.Namespace) -> None:
     """The C path's decode and mixed steps split into parts, against the FMA peak."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if args.cpu_time else time.perf_counter
     worker = load(args, eager=False)
-    if worker.runner.cpu_step is None:
+    step = worker.runner.cpu_step
+    if step is None:
         raise SystemExit(f"decode_profile: no C step here ({worker.kernels.decode})")
+    if args.c_step_max is not None:  # larger decode steps: the torch forward, C's attention
+        step.max_batch = min(step.max_batch, args.c_step_max)
+    c_decode = step.covers(args.batch)
     config = worker.runner.model_config
     batch = prompts(args.batch, args.prompt_len, config.vocab_size)
     greedy = SamplingOptions(temperature=0.0)
     decode: list[dict[str, float]] = []
     mixed: list[dict[str, float]] = []
     products: list[float] = []
-    decode_and_mixed(worker, batch, 6, greedy)  # warm-up
+    decode_and_mixed(worker, batch, 6, greedy, clock)  # warm-up
     for _ in range(args.repeats):  # the products alone between runs: the same machine state
-        d, m = decode_and_mixed(worker, batch, args.new_tokens, greedy)
+        d, m = decode_and_mixed(worker, batch, args.new_tokens, greedy, clock)
         decode += d
         mixed += m
-        products.append(products_alone(worker, args.batch, 5))
-    rates = matmul_rates(torch.get_num_threads(), (2048, 4096))
+        if c_decode:
+            products.append(products_alone(worker, args.batch, 5, clock))
+    rates = matmul_rates(torch.get_num_threads(), (2048, 4096), clock)
     peak = max(rates.values())
     context = args.prompt_len + args.new_tokens // 2
     rows = []
     for name, steps, alone, prompt in (
-        ("decode", decode, statistics.median(products), 0),
+        ("decode", decode, statistics.median(products) if c_decode else None, 0),
         ("mixed", mixed, None, args.prompt_len),
     ):
         parts = split(steps, alone)
@@ -148,6 +162,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences decoding together")
     p.add_argument("--json", type=Path)
     p.add_argument("--split", action="store_true", help="parts and GFLOP/s of the C path")
+    p.add_argument("--threads", type=int, default=0, help="--split: torch threads (0: as is)")
+    p.add_argument("--cpu-time", action="store_true", help="--split: process CPU time")
+    p.add_argument(
+        "--c-step-max", type=int, help="--split: the C step's max_batch lowered to this"
+    )  # fmt: skip
     args = p.parse_args()
     if args.split:
         split_main(args)

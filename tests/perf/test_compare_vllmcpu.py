@@ -56,7 +56,8 @@ def test_the_server_starts_as_a_module_not_vllm_serve() -> None:
     command = server_command(Path("/v/bin/python"), Path("/m"), 8123, "float32")
     assert command == [
         "/v/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m",
-        "--dtype", "float32", "--host", "127.0.0.1", "--port", "8123",
+        "--dtype", "float32", "--gpu-memory-utilization", "0.25", "--host", "127.0.0.1",
+        "--port", "8123",
     ]  # fmt: skip
 
 
