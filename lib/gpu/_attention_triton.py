@@ -8,7 +8,9 @@ be captured in a CUDA graph (`_cuda_graphs`) over static copies of these arrays.
 
 Tile sizes: on a GPU, BLOCK_M = 16 query rows (tl.dot's minimum) and tiles of 32 keys; under
 the interpreter every program costs about a millisecond of Python whatever its size, so
-programs are made large instead (64 rows, 128-key tiles, 128-token KV writes).
+programs are made large instead (64 rows, 128-key tiles, 128-token KV writes). The KV write
+takes 16 tokens x 256 columns of a token's Hkv * D row per program on a GPU (128 x 1024 under
+the interpreter), over a grid of token blocks x column blocks.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class TritonAttention:
         self.block_q = self.block_m // self.qpk
         self.tile = 128 if self.interpreted else 32
         self.write_tokens = 128 if self.interpreted else 16
+        self.write_cols = 1024 if self.interpreted else 256  # of Hkv * D per write program
         self.forced_segments = num_segments
         self.num_sms = (
             torch.cuda.get_device_properties(device).multi_processor_count
@@ -156,10 +159,11 @@ class TritonAttention:
             return
         _check_rows(k, v)
         row = k.shape[1] * k.shape[2]
-        grid = (triton_cdiv(num_tokens, self.write_tokens),)
+        cols = min(_pow2(row), self.write_cols)
+        grid = (triton_cdiv(num_tokens, self.write_tokens), triton_cdiv(row, cols))
         kernels._write_kv_kernel[grid](
             k, v, k_cache, v_cache, slots, num_tokens, k.stride(0), v.stride(0),
-            ROW=row, ROW_PAD=_pow2(row), BLOCK_T=self.write_tokens,
+            ROW=row, BLOCK_T=self.write_tokens, BLOCK_C=cols,
         )  # fmt: skip
 
     def forward(

@@ -89,13 +89,17 @@ def _write_kv_kernel(
     stride_k,  # token stride of k [T, Hkv, D] (its heads and dims are contiguous)
     stride_v,
     ROW: tl.constexpr,  # Hkv * D: one token's K (or V) row
-    ROW_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,  # columns of the row per program
 ):
-    """K and V of BLOCK_T tokens to their cache slots; a slot of -1 (padding) is skipped."""
+    """K and V of BLOCK_T tokens x BLOCK_C columns of their rows to the tokens' cache slots;
+    a slot of -1 (padding) is skipped. Grid (token blocks, column blocks): the tile stays
+    BLOCK_T x BLOCK_C however wide Hkv * D is (a tile of whole rows, next_pow2(Hkv * D)
+    wide, would spill registers for wide multi-head models: issue 29's reading of the code,
+    unmeasured), and a small batch's rows spread over several programs."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    col = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     slot = tl.load(slot_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)
-    col = tl.arange(0, ROW_PAD)
     ok = (slot >= 0)[:, None] & (col < ROW)[None, :]
     t64 = t.to(tl.int64)[:, None]
     k = tl.load(k_ptr + t64 * stride_k + col[None, :], mask=ok)

@@ -307,3 +307,42 @@ def test_a_negative_window_or_softcap_is_refused(window: int, softcap: float, me
     with pytest.raises(ValueError, match=message):
         meta.attend(q, kv, kv, torch.zeros(1, 16, 2, 64), torch.zeros(1, 16, 2, 64), 0.125,
                     window, softcap)  # fmt: skip
+
+
+# -- the KV write's 2-D grid -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "head_dim", "dtype"),
+    [(20, 128, torch.bfloat16), (12, 80, torch.float32), (3, 64, torch.float16)],
+    ids=["2560-wide-bf16", "960-wide-head-80", "192-wide"],
+)
+def test_a_wide_kv_write_over_column_blocks_equals_the_torch_scatter(
+    kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    """Rows of Hkv * D columns (non-power-of-two Hkv, several column blocks with a partial
+    last one under the interpreter's 1024) of 300 tokens (three token blocks, the last
+    partial), read from q/k/v views of one qkv, with padding slots: the cache equals torch's
+    scatter of the same rows, and nothing else is written."""
+    g = torch.Generator().manual_seed(7)
+    tokens, heads, block_size, num_blocks = 300, 2 * kv_heads, 16, 24
+    backend = TritonAttention(heads, kv_heads, head_dim, block_size, torch.device("cpu"))
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=g).to(dtype)
+    k, v = qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    slots[torch.randperm(tokens, generator=g)[:37]] = -1  # padding rows write nothing
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache, v_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    real = slots >= 0
+    expected_k.view(-1, kv_heads, head_dim)[slots[real]] = k[real]
+    expected_v.view(-1, kv_heads, head_dim)[slots[real]] = v[real]
+    backend.write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_a_wide_multi_head_step_matches_the_reference() -> None:
+    """The whole step (write, then attention over the written cache) at Hkv * D = 2560."""
+    out_err, cache_err = Step([(20, 1), (0, 9)], 20, 20, head_dim=128).run()
+    assert cache_err == 0.0
+    assert out_err < 1e-4
