@@ -9,7 +9,8 @@ requests), sample, and append the sampled tokens to the persistent rows. Pooling
 (embeddings) sample nothing: their rows go to the `Pooler`, which returns one float32 block.
 A step runs Python per request only for the requests that need it: the sampling options
 are columns by row (`SamplingRows`), prompt logprobs are looked for only while some request
-owes them, and on CUDA the sampled tokens and any prompt logprobs are read in one sync, last.
+owes them, and on CUDA the sampled tokens, any prompt logprobs and any pooled rows are read
+in one sync, last (`_StepReads`).
 With `--enable-lora`, each row's adapter is put in a slot and the step's tokens are grouped
 by slot (`LoraManager.prepare`) before the forward; the C decode step adds the deltas in its
 own products (each token's slot), the torch linears in theirs; a CUDA graph adds none, so a
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import msgspec
@@ -286,29 +288,24 @@ class ModelRunner:
             inputs, self.graphs, self.cpu_step, fault=torch_only, verify=drafts is not None
         )
         hidden = self._forward(path, inputs, embeds)
-        prompt_logprobs = self._prompt_logprobs(batch, inputs, hidden)
+        reads = _StepReads(self._prompt_logprobs(batch, inputs, hidden))
         self.inputs.advance(inputs)
-        samples, pooled_rnums, pooled = inputs.samples, None, None
+        samples = inputs.samples
         if self.pooler:
-            is_pooling, pooled_rnums, pooled = self.pooler.pool(
+            is_pooling, reads.pooled_rnums, reads.pooled = self.pooler.pool(
                 batch.scheduled_rnums.tolist(), inputs, hidden
             )
             samples = samples & ~is_pooling
         sampling = np.flatnonzero(samples)
         rnums = batch.scheduled_rnums[sampling]
         if not len(sampling):
-            return RunnerOutput(
-                rnums,
-                np.zeros(0, np.int32),
-                prompt_logprobs=_host_prompt_logprobs(prompt_logprobs),
-                pooled_rnums=pooled_rnums,
-                pooled=pooled,
-            )
+            output = RunnerOutput(rnums, np.zeros(0, np.int32))
+            reads.apply(output, _to_host(*reads.tensors()))
+            return output
         last = inputs.token_starts[sampling] + inputs.counts[sampling] - 1
         if drafts is not None:
             states = [self.sampling[int(r)] for r in rnums]
-            output = self._verify(batch, masks, drafts, inputs, hidden, sampling, states)
-            output.prompt_logprobs = _host_prompt_logprobs(prompt_logprobs)
+            output = self._verify(batch, masks, drafts, inputs, hidden, sampling, states, reads)
         else:
             logits = (self.cpu_step or self.model).compute_logits(hidden[self._tensor(last)])
             if len(batch.grammar_rnums):
@@ -322,12 +319,11 @@ class ModelRunner:
                 device=self.device,
             )
             sampled = self.sampler(logits, sampling_batch)
-            output = self._finish(rows, rnums, sampled, prompt_logprobs)
+            output = self._finish(rows, rnums, sampled, reads)
         if batch.num_speculative_tokens:
             output.draft_offsets, output.draft_token_ids = self._propose(
                 batch.num_speculative_tokens, inputs.rows[sampling]
             )
-        output.pooled_rnums, output.pooled = pooled_rnums, pooled
         return output
 
     def _verify(
@@ -339,9 +335,11 @@ class ModelRunner:
         hidden: torch.Tensor,
         sampling: np.ndarray,
         states: list[RequestSamplingState],
+        reads: _StepReads,
     ) -> RunnerOutput:
         """Sample every position of the rows with drafts and keep what they accept
-        (`_speculator`); the others sample their one position as usual."""
+        (`_speculator`); the others sample their one position as usual. `reads` are read
+        with the sampled tokens."""
         rnums = batch.scheduled_rnums[sampling]
         last = inputs.token_starts[sampling] + inputs.counts[sampling] - 1
         index = drafts.logit_index(sampling, last)
@@ -358,11 +356,12 @@ class ModelRunner:
         seeded = drafts.seeded_states(sampling, states)
         positioned = drafts.position_states(sampling, states)
         sampled = self.sampler(logits, self._sampling_batch(positioned))
-        token_ids, logprobs, topk_ids, topk_logprobs = _to_host(
+        token_ids, logprobs, topk_ids, topk_logprobs, *rest = _to_host(
             sampled.token_ids.to(torch.int32),
             sampled.logprobs,
             sampled.topk_ids,
             sampled.topk_logprobs,
+            *reads.tensors(),
         )
         assert token_ids is not None
         accepted = drafts.accept(sampling, token_ids, seeded, int(logits.shape[1]))
@@ -375,7 +374,7 @@ class ModelRunner:
         offsets = accepted.token_offsets.tolist()
         for i, state in enumerate(states):
             state.output_token_ids.extend(tokens[offsets[i] : offsets[i + 1]].tolist())
-        return RunnerOutput(
+        output = RunnerOutput(
             rnums,
             tokens,
             logprobs=None if logprobs is None else logprobs[keep],
@@ -383,6 +382,8 @@ class ModelRunner:
             topk_logprobs=None if topk_logprobs is None else topk_logprobs[keep],
             token_offsets=accepted.token_offsets,
         )
+        reads.apply(output, rest)
+        return output
 
     def _propose(self, k: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each of `rows`' drafts for the next step (at most k; offsets and tokens)."""
@@ -536,29 +537,25 @@ class ModelRunner:
         rows: np.ndarray,
         rnums: np.ndarray,
         sampled: SamplerOutput,
-        prompt_logprobs: list[_PendingPromptLogprobs],
+        reads: _StepReads,
     ) -> RunnerOutput:
-        """Read the step's tokens (and the prompt logprobs with them: the step's one sync on
-        CUDA, after every other host step), then append them to `rows`."""
-        pending = [t for p in prompt_logprobs for t in p.tensors]
-        token_ids, logprobs, topk_ids, topk_logprobs, *prompt = _to_host(
+        """Read the step's tokens (and `reads` with them: the step's one sync on CUDA, after
+        every other host step), then append them to `rows`."""
+        token_ids, logprobs, topk_ids, topk_logprobs, *rest = _to_host(
             sampled.token_ids.to(torch.int32),
             sampled.logprobs,
             sampled.topk_ids,
             sampled.topk_logprobs,
-            *pending,
+            *reads.tensors(),
         )
         assert token_ids is not None
         self.inputs.append_tokens(rows, token_ids)
         self.sampling_rows.append_outputs(rows, token_ids)
-        return RunnerOutput(
-            rnums,
-            token_ids,
-            logprobs=logprobs,
-            topk_ids=topk_ids,
-            topk_logprobs=topk_logprobs,
-            prompt_logprobs=_hosted_prompt_logprobs(prompt_logprobs, prompt),
+        output = RunnerOutput(
+            rnums, token_ids, logprobs=logprobs, topk_ids=topk_ids, topk_logprobs=topk_logprobs
         )
+        reads.apply(output, rest)
+        return output
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         """Host array to the device; on CUDA through pinned memory, so the copy is async."""
@@ -621,23 +618,28 @@ class _PendingPromptLogprobs(NamedTuple):
     tensors: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
-def _hosted_prompt_logprobs(
-    pending: list[_PendingPromptLogprobs], hosted: list[np.ndarray | None]
-) -> dict[int, PromptLogprobs]:
-    """`pending`'s records from their tensors read to the host (`hosted`, in order)."""
-    result: dict[int, PromptLogprobs] = {}
-    for i, p in enumerate(pending):
-        logprobs, topk_ids, topk_logprobs = hosted[3 * i : 3 * i + 3]
-        assert logprobs is not None
-        result[p.rnum] = PromptLogprobs(p.first_position, logprobs, topk_ids, topk_logprobs)
-    return result
+@dataclass(slots=True)
+class _StepReads:
+    """A step's device results besides the sampled tokens: read to the host with them, in
+    the step's one sync on CUDA (`_to_host`), then set on its output."""
 
+    prompt_logprobs: list[_PendingPromptLogprobs]
+    pooled_rnums: np.ndarray | None = None
+    pooled: torch.Tensor | None = None  # float32 [rows, hidden], `Pooler.pool`'s block
 
-def _host_prompt_logprobs(pending: list[_PendingPromptLogprobs]) -> dict[int, PromptLogprobs]:
-    """`pending`'s records, read to the host (in a step that samples nothing)."""
-    if not pending:
-        return {}
-    return _hosted_prompt_logprobs(pending, _to_host(*(t for p in pending for t in p.tensors)))
+    def tensors(self) -> list[torch.Tensor | None]:
+        """What to read, in order: three per pending prompt logprobs, then the pooled block."""
+        return [*(t for p in self.prompt_logprobs for t in p.tensors), self.pooled]
+
+    def apply(self, output: RunnerOutput, hosted: list[np.ndarray | None]) -> None:
+        """Set `output`'s prompt logprobs and pooled rows from `tensors()` read (`hosted`)."""
+        for i, p in enumerate(self.prompt_logprobs):
+            logprobs, topk_ids, topk_logprobs = hosted[3 * i : 3 * i + 3]
+            assert logprobs is not None
+            output.prompt_logprobs[p.rnum] = PromptLogprobs(
+                p.first_position, logprobs, topk_ids, topk_logprobs
+            )
+        output.pooled_rnums, output.pooled = self.pooled_rnums, hosted[-1]
 
 
 def _numpy(tensor: torch.Tensor | None) -> np.ndarray | None:

@@ -5,7 +5,9 @@ run over several steps (chunked prefill), so each request keeps what its pooling
 between steps: nothing for LAST (the last chunk holds the last token), a running sum for
 MEAN, the first position's state for CLS, every chunk for ALL. The step its prompt ends,
 its result joins the step's one contiguous block (`RunnerOutput.pooled`), float32 whatever
-the model's dtype, so the frontend normalises at full precision.
+the model's dtype, so the frontend normalises at full precision. The block stays on the
+device: the runner reads it to the host with the step's sampled tokens, in its one sync
+(a read here would be a second sync of the step on CUDA).
 
 The hidden states are the model's final ones (after its last norm, before the head: what
 transformers' `AutoModel` returns as `last_hidden_state`). The runner forgets a request's
@@ -51,14 +53,15 @@ class Pooler:
 
     def pool(
         self, rnums: list[int], inputs: StepInputs, hidden: torch.Tensor
-    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    ) -> tuple[np.ndarray, np.ndarray | None, torch.Tensor | None]:
         """Take this step's chunks of the pooling rows among `rnums` (the step's scheduled
         requests, in order).
 
         Returns:
             A bool per scheduled row (True: a pooling row, which must not sample), then the
             rnum of each pooled row and the float32 block [rows, hidden] of the requests
-            whose prompt ended this step (None, None if none did).
+            whose prompt ended this step, on `hidden`'s device, not yet read (None, None if
+            none did).
         """
         is_pooling = np.zeros(len(rnums), bool)
         done_rnums: list[int] = []
@@ -80,8 +83,7 @@ class Pooler:
             del self._pools[rnum]
         if not results:
             return is_pooling, None, None
-        block = torch.cat(results).cpu().numpy()
-        return is_pooling, np.asarray(done_rnums, np.uint64), block
+        return is_pooling, np.asarray(done_rnums, np.uint64), torch.cat(results)
 
 
 def _fold(pool: _Pool, chunk: torch.Tensor, first_position: int) -> None:

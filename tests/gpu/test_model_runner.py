@@ -13,7 +13,9 @@ from trillm.gpu import (
     CpuFeatures,
     CpuLinearUnsupportedError,
     ModelRunner,
+    NewRequest,
     SamplingOptions,
+    StepBatch,
     probe_cpu_features,
 )
 
@@ -190,3 +192,70 @@ def test_onednn_forced_on_a_cpu_that_cannot_pack_fails_before_loading(tiny_model
     avx2 = CpuFeatures("AVX2", onednn_packs=frozenset({"float32"}))
     with pytest.raises(CpuLinearUnsupportedError, match="cannot pack bfloat16 on this CPU"):
         make_runner(tiny_model_dir, dtype="bfloat16", cpu_linear="onednn", cpu_features=avx2)
+
+
+def test_pooled_rows_are_read_in_the_steps_one_host_read(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A MEAN request in two chunks beside a sampling request, then a LAST request alone (a
+    step that samples nothing): `Pooler.pool` hands back a device tensor, each step calls
+    `_to_host` once and the pooled block is among what it reads, and the rows equal
+    transformers' hidden states."""
+    from trillm.gpu import _model_runner
+    from trillm.wire import PoolingType
+
+    runner = make_runner(tiny_model_dir)
+    reads: list[list[object]] = []
+    to_host = _model_runner._to_host
+
+    def counting(*tensors: torch.Tensor | None) -> list[np.ndarray | None]:
+        reads.append(list(tensors))
+        return to_host(*tensors)
+
+    monkeypatch.setattr(_model_runner, "_to_host", counting)
+    pools: list[object] = []
+    pool = runner.pooler.pool
+
+    def recording(*args: object) -> object:
+        result = pool(*args)  # type: ignore[arg-type]
+        pools.append(result[2])
+        return result
+
+    monkeypatch.setattr(runner.pooler, "pool", recording)
+    mean, plain, last = list(range(80, 92)), list(range(30, 35)), list(range(5, 14))
+
+    def step(n: int, news: list[NewRequest], cached: list[int], sched: list[tuple[int, int]]):
+        batch = StepBatch(n, new_requests=news)
+        batch.cached_rnums = np.array(cached, np.uint64)
+        batch.cached_new_block_ids = [[] for _ in cached]
+        batch.cached_num_computed = np.array([8] * len(cached), np.int32)
+        batch.scheduled_rnums = np.array([r for r, _ in sched], np.uint64)
+        batch.num_scheduled_tokens = np.array([c for _, c in sched], np.int32)
+        reads.clear()
+        out = runner.execute(batch)
+        assert len(reads) == 1  # the step's one read to the host
+        return out
+
+    pooling = SamplingOptions(pooling=PoolingType.MEAN)
+    news = [NewRequest(0, mean, [0, 1], 0, pooling), NewRequest(1, plain, [2], 0)]
+    first = step(0, news, [], [(0, 8), (1, 5)])
+    assert first.pooled is None and first.rnums.tolist() == [1]
+    second = step(1, [], [0], [(0, 4)])  # the MEAN prompt ends; nothing samples
+    assert second.pooled is not None and not len(second.rnums)
+    assert isinstance(pools[-1], torch.Tensor) and any(t is pools[-1] for t in reads[0])
+    news = [
+        NewRequest(2, last, [3, 4], 0, SamplingOptions(pooling=PoolingType.LAST)),
+        NewRequest(3, plain, [5], 0),
+    ]
+    third = step(2, news, [], [(2, 9), (3, 5)])  # LAST pooled beside a sampled token
+    assert third.pooled is not None and third.rnums.tolist() == [3]
+    assert isinstance(pools[-1], torch.Tensor) and any(t is pools[-1] for t in reads[0])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        hidden = [hf.model(torch.tensor([p])).last_hidden_state[0] for p in (mean, last)]
+    assert second.pooled_rnums is not None and second.pooled_rnums.tolist() == [0]
+    assert third.pooled_rnums is not None and third.pooled_rnums.tolist() == [2]
+    got = torch.from_numpy(np.concatenate([second.pooled, third.pooled]))
+    torch.testing.assert_close(
+        got, torch.stack([hidden[0].mean(0), hidden[1][-1]]), atol=1e-4, rtol=0
+    )
