@@ -158,6 +158,7 @@ class EngineCore:
             result = self.scheduler.update_from_output(batch, output)
             self.step_rnums = None
             self._write(result)
+            self._retire_loras()
         finally:
             answers, self._answers_after_step = self._answers_after_step, None
         for answer in answers:
@@ -168,6 +169,7 @@ class EngineCore:
         self._needs_flush = False
         empty = RunnerOutput(np.zeros(0, np.uint64), np.zeros(0, np.int32))
         self._write(self.scheduler.update_from_output(self.scheduler.empty_batch(), empty))
+        self._retire_loras()
 
     def _write(self, result: StepResult) -> None:
         for rnum, prompt in result.prompt_logprobs.items():
@@ -310,6 +312,14 @@ class EngineCore:
                 self._send_event(P.RequestError(rnum, message))
                 self._needs_flush = True
 
+    def _held_loras(self) -> set[int]:
+        return {r.lora_id for r in self.scheduler.requests.values() if r.lora_id}
+
+    def _retire_loras(self) -> None:
+        """Unloaded adapters whose last request ended leave the workers (`LoraRegistry`)."""
+        if self.loras.retiring:
+            self.loras.retire(self._held_loras())
+
     def _abort_all(self) -> None:
         self._abort(self.scheduler.unfinished_rnums())
 
@@ -357,7 +367,8 @@ class EngineCore:
         [id] -> name."""
         try:
             if method == "unload_lora_adapter":
-                return self.loras.unload(int(str(args[0])))
+                lora_id = int(str(args[0]))
+                return self.loras.unload(lora_id, held=lora_id in self._held_loras())
             name, path, base, lora_id = args
             module = LoraModule(str(name), str(path), None if base is None else str(base))
             return self.loras.load(msgspec.structs.replace(module, lora_int_id=int(str(lora_id))))

@@ -6,7 +6,9 @@ prefix cache mixes into a request's block hashes, so one adapter never reads ano
 Loading (at start-up from `EngineConfig.lora_modules`, or at run time by the
 `load_lora_adapter` utility) has every rank read and check the adapter first: a bad one is
 refused with the worker's message and changes nothing. Unloading forgets the id for new
-requests; the workers keep its weights until the requests running with it end.
+requests at once; the workers keep its weights until no unfinished request holds it: one
+running keeps its row's adapter there, and one still waiting (or preempted) keeps it here
+(`retiring`) until it ends (`retire`), so an unload never breaks a request the engine took.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class LoraRegistry:
         self.enabled = enabled
         self.modules: dict[int, LoraModule] = {}
         self.digests: dict[int, bytes] = {}
+        self.retiring: set[int] = set()  # unloaded, still held by unfinished requests
 
     def load(self, module: LoraModule) -> int:
         """Load `module` on every rank; return its id.
@@ -41,6 +44,11 @@ class LoraRegistry:
             )
         if module.lora_int_id < 1:
             raise LoraRegistryError(f"LoRA adapter ids start at 1, got {module.lora_int_id}")
+        if module.lora_int_id in self.retiring:
+            raise LoraRegistryError(
+                f"LoRA adapter {module.name!r}: id {module.lora_int_id} is still held by "
+                f"requests of an unloaded adapter: load it under another id"
+            )
         for other in self.modules.values():
             if other.name == module.name or other.lora_int_id == module.lora_int_id:
                 raise LoraRegistryError(
@@ -55,8 +63,9 @@ class LoraRegistry:
         self.digests[module.lora_int_id] = bytes.fromhex(digest)
         return module.lora_int_id
 
-    def unload(self, lora_id: int) -> str:
-        """Forget adapter `lora_id` for new requests; return its name.
+    def unload(self, lora_id: int, *, held: bool) -> str:
+        """Forget adapter `lora_id` for new requests; return its name. `held`: unfinished
+        requests use it, so the ranks keep it until `retire` finds none.
 
         Raises:
             LoraRegistryError: no adapter has that id.
@@ -65,8 +74,18 @@ class LoraRegistry:
         if module is None:
             raise LoraRegistryError(f"no LoRA adapter with id {lora_id} is loaded")
         del self.digests[lora_id]
-        self.executor.remove_lora(lora_id)
+        if held:
+            self.retiring.add(lora_id)
+        else:
+            self.executor.remove_lora(lora_id)
         return module.name
+
+    def retire(self, held: set[int]) -> None:
+        """Let every rank forget the unloaded adapters that no unfinished request (`held`:
+        their ids) uses any more."""
+        for lora_id in sorted(self.retiring - held):
+            self.retiring.discard(lora_id)
+            self.executor.remove_lora(lora_id)
 
     def digest_of(self, lora_id: int) -> bytes:
         """The prefix-cache identity of adapter `lora_id` (b"" for the base model, id 0).

@@ -165,6 +165,29 @@ async def test_load_unload_and_reload_under_traffic_fail_no_request(
     assert results and all(results)
 
 
+async def test_an_unload_keeps_the_adapter_for_requests_not_yet_running(
+    tiny: Path, adapters: dict[str, Path], expected: dict[tuple[str | None, int], list[int]]
+) -> None:
+    """A request the engine took but has not run (waiting: the engine is paused) when its
+    adapter is unloaded still runs with it: the workers forget the adapter only once no
+    unfinished request holds it (before, they dropped it at once, and the request's first
+    step failed on an unknown adapter id)."""
+    async with open_llm(config(tiny, modules(adapters, "a"))) as llm:
+        with trio.fail_after(120):
+            await llm.utility("pause")
+            async with llm.generate(PROMPTS[0], GREEDY, lora_name="a") as stream:
+                await llm.unload_lora_adapter("a")  # after the request, on the same ring
+                await llm.utility("resume")
+                first = await stream.__anext__()
+                async for output in stream:
+                    first.merge(output)
+            assert list(first.token_ids) == expected["a", 0]
+            with pytest.raises(LoraNotFoundError, match="'a' is not loaded"):
+                await tokens(llm, "a", 0)
+            await llm.load_lora_adapter("a", str(adapters["a"]))  # a new id, same weights
+            assert await tokens(llm, "a", 1) == expected["a", 1]
+
+
 async def test_a_bad_adapter_at_run_time_is_refused_and_the_engine_serves_on(
     tiny: Path,
     adapters: dict[str, Path],
