@@ -367,8 +367,8 @@ class EngineCore:
         [id] -> name."""
         try:
             if method == "unload_lora_adapter":
-                lora_id = int(str(args[0]))
-                return self.loras.unload(lora_id, held=lora_id in self._held_loras())
+                unloaded = int(str(args[0]))
+                return self.loras.unload(unloaded, held=unloaded in self._held_loras())
             name, path, base, lora_id = args
             module = LoraModule(str(name), str(path), None if base is None else str(base))
             return self.loras.load(msgspec.structs.replace(module, lora_int_id=int(str(lora_id))))
