@@ -1,6 +1,6 @@
 """LoRA adapters against the base model, one engine, one run (issue 30, item 5).
 
-    .venv/bin/python perf/lora_bench.py [--rounds 3] [--tokens 64] [--threads N] [--json FILE]
+    .venv/bin/python perf/lora_bench.py [--rounds 3] [--tokens 64] [--threads N] [--step-repeats 20] [--json FILE]
 
 On the default model (SmolLM2-135M), with `--enable-lora --max-loras 4 --max-lora-rank 16`
 and four random rank-16 adapters of every target (q/k/v/o, gate/up/down):
@@ -9,8 +9,13 @@ and four random rank-16 adapters of every target (q/k/v/o, gate/up/down):
   base model alone (goal >= 0.75x);
 - the cost of a load into a slot: copying one adapter, already in host memory, into a device
   slot of every layer (`LoraManager`, in this process), in ms;
-- time per output token at concurrency 1 with one adapter against the base (goal <= 1.25x).
-Base and adapter runs alternate in rounds on one engine (in this process); medians.
+- time per output token at concurrency 1 with one adapter against the base (goal <= 1.25x);
+- the C decode step alone (`CpuStep.run`, where LoRA decode steps run on the CPU: the
+  deltas are added inside it, csrc/tl_lora.h) of 32 decodes over the 4 adapters and of 1
+  decode with one, against the same calls without adapters: the kernel's own cost, apart
+  from the engine's host work and from the load on a shared machine between rounds.
+Base and adapter runs alternate in rounds on one engine (in this process), the C steps call
+by call; medians.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ TARGETS = {
     "mlp": ("gate_proj", "up_proj", "down_proj"),
 }
 RANK, ADAPTERS, CONCURRENCY = 16, 4, 32
+CONTEXT = 64  # a C step's tokens' context (`c_step_ms`): the 32-token prompts, 32 in
 
 
 def write_adapter(path: Path, model_dir: Path, seed: int) -> Path:
@@ -94,21 +100,62 @@ async def tpot(llm: AsyncLLM, name: str | None, tokens: int) -> float:
     return statistics.median(np.diff(stamps[1:]).tolist())
 
 
-def slot_load_ms(model_dir: Path, adapter: Path, repeats: int = 20) -> float:
-    """Median ms to copy one adapter from host memory into a device slot (every layer)."""
-    config = WorkerConfig(str(model_dir), device="cpu", enable_lora=True, max_loras=2)
+def step_runner(model_dir: Path, paths: list[Path]) -> ModelRunner:
+    """A runner of the model with every adapter in a slot (slot i: adapter i + 1)."""
+    config = WorkerConfig(
+        str(model_dir), device="cpu", enable_lora=True, max_loras=ADAPTERS, max_lora_rank=RANK
+    )
     model_config, weights = open_model(config.model, config.load_format)
     runner = ModelRunner(config, model_config, TensorParallel(), torch.device("cpu"))
     runner.load_model(weights)
+    runner.init_kv_cache(CONCURRENCY * -(-CONTEXT // runner.block_size))
+    assert runner.lora is not None
+    for i, path in enumerate(paths):
+        runner.lora.add(LoraModule(f"a{i}", str(path), None, i + 1))
+        runner.lora._load(i, i + 1)
+    return runner
+
+
+def slot_load_ms(runner: ModelRunner, repeats: int = 20) -> float:
+    """Median ms to copy one adapter from host memory into a device slot (every layer)."""
     lora = runner.lora
     assert lora is not None
-    lora.add(LoraModule("x", str(adapter), None, 1))
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
         lora._load(0, 1)
         times.append(time.perf_counter() - started)
     return 1000 * statistics.median(times)
+
+
+def c_step_ms(runner: ModelRunner, repeats: int) -> dict[str, float]:
+    """Median ms of one C decode step (`CpuStep.run`, the call alone) of 32 decodes with the
+    4 adapters spread over them (8 each, interleaved) and of 1 decode with one adapter,
+    against the same steps on the base model; the two sides alternate call by call. Each
+    token sits at position CONTEXT - 1 of its own blocks."""
+    step = runner.cpu_step
+    assert step is not None
+    block = runner.block_size
+    out: dict[str, float] = {}
+    for m in (CONCURRENCY, 1):
+        positions = np.full(m, CONTEXT - 1, np.int64)
+        table = np.arange(m * -(-CONTEXT // block), dtype=np.int32).reshape(m, -1)
+        kv_slots = table[:, (CONTEXT - 1) // block].astype(np.int64) * block + (CONTEXT - 1) % block
+        lens = positions.astype(np.int32) + 1
+        ids = torch.arange(1000, 1000 + m)
+        slots = np.arange(m, dtype=np.int32) % ADAPTERS
+        times: dict[str, list[float]] = {"base": [], "lora": []}
+        for _ in range(repeats):
+            for side, lora in (("base", None), ("lora", slots)):
+                started = time.perf_counter()
+                step.run(ids, positions, kv_slots, lens, table, lora_slots=lora)
+                times[side].append(time.perf_counter() - started)
+        for side, values in times.items():
+            out[f"c_step_m{m}_{side}_ms"] = 1000 * statistics.median(values)
+        out[f"c_step_m{m}_ratio"] = statistics.median(times["lora"]) / statistics.median(
+            times["base"]
+        )
+    return out
 
 
 async def main_async(args: argparse.Namespace, model_dir: Path, paths: list[Path]) -> dict:
@@ -144,6 +191,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--json", type=Path)
     parser.add_argument(
+        "--step-repeats", type=int, default=20, help="C decode steps timed per side and size"
+    )
+    parser.add_argument(
         "--threads", type=int, default=0, help="torch's CPU threads (0: its default, every core)"
     )
     parser.add_argument("--dir", type=Path, default=Path("/tmp/trillm-lora-bench"))
@@ -153,7 +203,9 @@ def main() -> None:
     model_dir = Path(default_model_dir(progress=False))
     paths = [write_adapter(args.dir / f"a{i}", model_dir, seed=i) for i in range(ADAPTERS)]
     result = trio.run(main_async, args, model_dir, paths)
-    result["slot_load_ms"] = slot_load_ms(model_dir, paths[0])
+    runner = step_runner(model_dir, paths)
+    result["slot_load_ms"] = slot_load_ms(runner)
+    result |= c_step_ms(runner, args.step_repeats)
     r = result
     print(
         f"output tok/s at c={CONCURRENCY}: base {r['output_tok_s_c32_base']:.1f}, {ADAPTERS} "
@@ -161,6 +213,11 @@ def main() -> None:
         f"({r['throughput_ratio']:.2f}x; goal >= 0.75x)"
     )
     print(f"load into a slot: {r['slot_load_ms']:.2f} ms")
+    for m in (CONCURRENCY, 1):
+        print(
+            f"C decode step of {m}: base {r[f'c_step_m{m}_base_ms']:.2f} ms, adapters "
+            f"{r[f'c_step_m{m}_lora_ms']:.2f} ms ({r[f'c_step_m{m}_ratio']:.2f}x)"
+        )
     print(
         f"TPOT at c=1: base {r['tpot_c1_base_ms']:.2f} ms, one adapter "
         f"{r['tpot_c1_adapter_ms']:.2f} ms ({r['tpot_ratio']:.2f}x; goal <= 1.25x)"
