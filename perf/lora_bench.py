@@ -1,6 +1,7 @@
 """LoRA adapters against the base model, one engine, one run (issue 30, item 5).
 
-    .venv/bin/python perf/lora_bench.py [--rounds 3] [--tokens 64] [--threads N] [--step-repeats 20] [--json FILE]
+    .venv/bin/python perf/lora_bench.py [--rounds 3] [--tokens 64] [--threads N]
+        [--step-repeats 20] [--json FILE]
 
 On the default model (SmolLM2-135M), with `--enable-lora --max-loras 4 --max-lora-rank 16`
 and four random rank-16 adapters of every target (q/k/v/o, gate/up/down):
