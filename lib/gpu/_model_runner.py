@@ -371,9 +371,7 @@ class ModelRunner:
         self.inputs.num_computed[rows] -= positions - 1 - accepted.num_accepted
         tokens = token_ids[keep]
         self.inputs.append_token_runs(rows, accepted.token_offsets, tokens)
-        offsets = accepted.token_offsets.tolist()
-        for i, state in enumerate(states):
-            state.output_token_ids.extend(tokens[offsets[i] : offsets[i + 1]].tolist())
+        self.sampling_rows.append_runs(rows, accepted.token_offsets, tokens)
         output = RunnerOutput(
             rnums,
             tokens,

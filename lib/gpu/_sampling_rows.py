@@ -127,6 +127,19 @@ class SamplingRows:
         for i, state in self._states_of(rows, self._history, self.num_history):
             state.output_token_ids.append(int(token_ids[i]))
 
+    def append_runs(
+        self,
+        rows: npt.NDArray[np.int64],
+        offsets: npt.NDArray[np.int64],
+        token_ids: npt.NDArray[np.int32],
+    ) -> None:
+        """Append each row's run of accepted tokens (`token_ids[offsets[i]:offsets[i + 1]]`,
+        a verify step's) to its state, where the state reads its outputs."""
+        if not self.num_history:
+            return
+        for i, state in self._states_of(rows, self._history, self.num_history):
+            state.output_token_ids.extend(token_ids[offsets[i] : offsets[i + 1]].tolist())
+
     def _states_of(
         self, rows: npt.NDArray[np.int64], flag: npt.NDArray[np.bool_], count: int
     ) -> list[tuple[int, RequestSamplingState]]:
