@@ -44,6 +44,12 @@ from .models.llama import KVCache, LlamaForCausalLM
 # linears): 16.0 / 19.7 ms at 8, 37.4 / 44.1 at 32, 63.4 / 73.1 at 64 (SmolLM2 fp32, 2 cores;
 # `perf/decode_profile.py --batch B`).
 MAX_BATCH = 64
+# In bfloat16 on a CPU with AMX, oneDNN's linears run on the tile unit while the C step's
+# tiles convert to float32 FMAs, so a larger batched decode step goes to the torch forward.
+# One thread, CPU time of a decode step, SmolLM2 bf16 (`perf/decode_profile.py --split
+# --dtype bfloat16 --threads 1 --cpu-time --batch B [--c-step-max 0]`, C / torch forward,
+# Sapphire Rapids): B=8 37.3 / 56.3 ms, 16 61.4 / 69.2, 24 94.9 / 86.7, 32 113.8 / 86.9.
+AMX_BF16_MAX_BATCH = 16
 # Prompts attend in C (`CpuStep.attention`) up to this context. Each query reads its keys
 # alone, so a long prompt re-reads its KV from L3 per token; torch's SDPA tiles the queries.
 # One prompt of SmolLM2 fp32 (`perf/prefill_profile.py [--torch-attention]`, median ms, C /
@@ -307,15 +313,22 @@ class CAttention(QkvAttention):
         return out.to(qkv.dtype)
 
 
+def c_step_max_batch(dtype: torch.dtype, onednn_linears: bool, amx: bool) -> int:
+    """The most decodes a C step takes: `AMX_BF16_MAX_BATCH` in bfloat16 where oneDNN runs
+    the torch forward's linears on AMX, else `MAX_BATCH`."""
+    return AMX_BF16_MAX_BATCH if dtype == torch.bfloat16 and onednn_linears and amx else MAX_BATCH
+
+
 def build_cpu_step(
-    model: LlamaForCausalLM, config: WorkerConfig, block_size: int
+    model: LlamaForCausalLM, config: WorkerConfig, block_size: int, max_batch: int = MAX_BATCH
 ) -> tuple[CpuStep | None, str]:
     """The C step for `model`, or None, and the word for `KernelChoice.decode`: the path
-    this model's decode steps take, and why (what of the family C runs, or lacks)."""
+    this model's decode steps take, and why (what of the family C runs, or lacks).
+    `max_batch`: `c_step_max_batch`'s answer for the model's linears."""
     if config.enforce_eager:
         return None, "torch (--enforce-eager)"
     try:
-        decode = CpuStep(model, block_size, min(MAX_BATCH, config.max_num_seqs))
+        decode = CpuStep(model, block_size, min(max_batch, config.max_num_seqs))
     except (CpuDecodeUnsupported, _native.NativeBuildError) as e:
         return None, f"torch ({e})"
     ops = decode.operations()

@@ -33,8 +33,8 @@ from ..wire import KernelChoice, LoraModule
 from . import _native
 from ._attention import AttentionBackend, QkvAttention, StepAttention, TorchAttention
 from ._config import quantization_for, torch_dtype
-from ._cpu_decode import CpuStep, build_cpu_step
-from ._cpu_linear import CpuFeatures
+from ._cpu_decode import CpuStep, build_cpu_step, c_step_max_batch
+from ._cpu_linear import CpuFeatures, probe_cpu_features
 from ._cuda_graphs import DecodeGraphs
 from ._draft_model import DraftModel
 from ._forward import FaultHook, Path, choose_path, expand_verify_rows
@@ -143,7 +143,13 @@ class ModelRunner:
         if self.device.type == "cpu":  # before packing: it tiles the dense weights
             with log.phase("C decode step") as notes:
                 built = len(_native.BUILT)
-                self.cpu_step, decode = build_cpu_step(model, self.config, self.block_size)
+                features = self._cpu_features or probe_cpu_features()
+                max_batch = c_step_max_batch(
+                    self.dtype, self.kernels.linear == "onednn", features.amx
+                )
+                self.cpu_step, decode = build_cpu_step(
+                    model, self.config, self.block_size, max_batch
+                )
                 compiled = _native.BUILT[built:]
                 notes.append(f"(built {', '.join(compiled)})" if compiled else "(cached kernels)")
                 if self.cpu_step is None:
