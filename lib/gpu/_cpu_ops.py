@@ -4,6 +4,8 @@ Only where a measurement showed torch's version cost: SiLU(gate) * up over a pre
 [T, 2I] projection was two passes and a temporary in torch. A 2048-token prefill of SmolLM2
 (16 prompts of 128) took 1229 and 1244 ms with this kernel, 1475 and 1635 ms with torch's
 (`perf/prefill_profile.py --prompts 16 --repeats 3 [--torch-silu]`, alternated twice).
+The residual add and the RMSNorm after it (`CpuNorms`): torch made them six passes over
+[T, hidden] (add, pow, mean, rsqrt, mul, mul), ~130 ms of a 2.2 s 2048-token step.
 float32 on the CPU with the kernels built; torch everywhere else (CUDA, bfloat16, no
 compiler), with the same arithmetic to float32 rounding.
 """
@@ -46,3 +48,65 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         torch.get_num_threads(),
     )
     return out
+
+
+class CpuNorms:
+    """RMSNorm, and the residual add + RMSNorm, in one C pass a row (`csrc/tl_norm.h`): the
+    CPU's `NormOps` (`_layers`), as `_fused_kernels.FusedOps` is CUDA's. float32 only."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
+    ) -> torch.Tensor:
+        """RMSNorm of the rows of x by (offset + weight)."""
+        return self._norm(x, None, weight, eps, offset)[0]
+
+    def add_rms_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        offset: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm of x + residual, x + residual): the next block's input and residual."""
+        return self._norm(x, residual, weight, eps, offset)
+
+    def _norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        offset: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x.shape[-1]
+        rows = x.reshape(-1, h).contiguous()
+        scale = (weight + offset if offset else weight).float().contiguous()
+        out = torch.empty_like(rows)
+        total = rows if residual is None else torch.empty_like(rows)
+        res = None if residual is None else residual.reshape(-1, h).contiguous()
+        if rows.shape[0]:
+            self.lib.trillm_add_rms_norm(
+                ctypes.c_void_p(rows.data_ptr()),
+                None if res is None else ctypes.c_void_p(res.data_ptr()),
+                ctypes.c_void_p(scale.data_ptr()),
+                ctypes.c_int64(rows.shape[0]),
+                h,
+                ctypes.c_float(eps),
+                ctypes.c_void_p(out.data_ptr()),
+                ctypes.c_void_p(total.data_ptr()),
+                torch.get_num_threads(),
+            )
+        return out.view(x.shape), total.view(x.shape)
+
+
+def cpu_norms(x: torch.Tensor) -> CpuNorms | None:
+    """The C norms for tensors like x (float32 on the CPU, kernels built), else None: torch's
+    ops stay (CUDA, bfloat16, no compiler)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    lib = tiled_kernels()
+    return None if lib is None else CpuNorms(lib)

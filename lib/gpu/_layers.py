@@ -12,13 +12,14 @@ after the base product (a row-parallel one before its all-reduce).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ._cpu_linear import pack_weight, packed_linear
+from ._cpu_ops import cpu_norms
 from ._gguf_blocks import QuantizedTensor
 from ._lora_slots import LoraLinear
 from ._parallel import TensorParallel
@@ -47,6 +48,25 @@ def _linear(
     if packed is not None:
         return packed_linear(x, packed, bias)
     return F.linear(x, weight, bias)
+
+
+class NormOps(Protocol):
+    """RMSNorm with the residual add before it fused in: CUDA's Triton kernels
+    (`_fused_kernels.FusedOps`) or the CPU's C ones (`_cpu_ops.CpuNorms`). Each rounds as
+    `RMSNorm.forward` and the torch add do (offset: Gemma's (1 + w))."""
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
+    ) -> torch.Tensor: ...
+
+    def add_rms_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        offset: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class RMSNorm(nn.Module):
@@ -96,7 +116,10 @@ class RMSNorm(nn.Module):
             return (normed * self.scale()).to(x.dtype)
         if self.fused is not None:  # the same rounding order, in one launch
             return self.fused.rms_norm(x, self.weight, self.eps, self.offset)
-        if x.dtype == torch.float32:  # one fused kernel, the same arithmetic
+        if x.dtype == torch.float32:  # one pass (C on the CPU, else torch's), the same arithmetic
+            norms = cpu_norms(x) if x.is_contiguous() else None  # not per-head q/k views
+            if norms is not None:
+                return norms.rms_norm(x, self.weight, self.eps, self.offset)
             weight = self.weight if not self.offset else self.weight + self.offset
             return F.rms_norm(x, self.weight.shape, weight, self.eps)
         dtype = x.dtype

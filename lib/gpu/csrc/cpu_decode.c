@@ -33,6 +33,7 @@
 #include "tl_attention.h"
 #include "tl_linear.h"
 #include "tl_moe.h"
+#include "tl_norm.h"
 #include "tl_vec.h"
 
 static int64_t widest_row(const struct tl_model *md) {
@@ -290,4 +291,16 @@ void trillm_silu_mul(const float *x, int64_t T, int I, float *out, int threads) 
         }
         for (; j < I; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
     }
+}
+
+/* out[t] = RMSNorm(x[t] + residual[t]) by `scale` and residual_out[t] = x[t] + residual[t] for
+ * T rows of H floats: the torch forward's residual add and the next block's norm, one pass a
+ * row (`tl_norm.h`; lib/gpu/_cpu_ops.py has the figures). `residual` NULL: out = RMSNorm(x),
+ * residual_out unused. `scale` is the norm's (offset + weight). */
+void trillm_add_rms_norm(const float *x, const float *residual, const float *scale, int64_t T,
+                         int H, float eps, float *out, float *residual_out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < T; t++)
+        add_rms_norm_row(x + t * H, residual ? residual + t * H : NULL, scale, H, eps, out + t * H,
+                         residual ? residual_out + t * H : NULL);
 }

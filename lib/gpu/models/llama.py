@@ -19,9 +19,15 @@ import torch
 from torch import nn
 
 from .._attention import QkvAttention, StepAttention
-from .._cpu_ops import gated
+from .._cpu_ops import cpu_norms, gated
 from .._failure import InjectedFault
-from .._layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
+from .._layers import (
+    ColumnParallelLinear,
+    NormOps,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from .._model_config import ModelConfig, sliding_windows
 from .._parallel import TensorParallel
 from .._rotary import Rope, RotaryEmbedding
@@ -203,7 +209,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward_fused(
         self,
-        fused: FusedOps,
+        fused: NormOps,
         rope: Rope | None,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
@@ -213,7 +219,8 @@ class LlamaDecoderLayer(nn.Module):
         """`forward` with each residual add fused into the norm after it (vLLM's layout):
         takes the previous layer's MLP output and the residual stream before it (None: the
         first layer, `hidden` is the embedding), returns this layer's pair. The sums are the
-        same bf16 adds in the same order (x + y rounds as y + x), so the numbers are too."""
+        same adds in the model's dtype (x + y rounds as y + x), so the numbers are too (to
+        float32 rounding on the CPU, whose C norm sums the squares in its own order)."""
         norm = self.input_layernorm
         if residual is None:
             x, residual = fused.rms_norm(hidden, norm.weight, norm.eps, norm.offset), hidden
@@ -294,8 +301,9 @@ class LlamaForCausalLM(CheckpointModel):
         ropes = {id(self.rotary): self.rotary.angles(positions)}
         if self.local_rotary is not None:
             ropes[id(self.local_rotary)] = self.local_rotary.angles(positions)
-        if self.fused is not None and self.residual_fusable():
-            return self._forward_fused(self.fused, hidden, ropes, kv_caches, meta)
+        norms = self.fused if self.fused is not None else cpu_norms(hidden)
+        if norms is not None and self.residual_fusable():
+            return self._forward_fused(norms, hidden, ropes, kv_caches, meta)
         for layer, kv in zip(self.decoder_layers(), kv_caches, strict=True):
             rotary = layer.self_attn.rotary
             hidden = layer(None if rotary is None else ropes[id(rotary)], hidden, kv, meta)
@@ -304,13 +312,14 @@ class LlamaForCausalLM(CheckpointModel):
 
     def _forward_fused(
         self,
-        fused: FusedOps,
+        fused: NormOps,
         hidden: torch.Tensor,
         ropes: dict[int, Rope],
         kv_caches: list[KVCache],
         meta: Meta,
     ) -> torch.Tensor:
-        """The layers with the residual adds fused into the norms (`forward_fused`)."""
+        """The layers with the residual adds fused into the norms (`forward_fused`): CUDA's
+        Triton kernels, or on the CPU in float32 the C ones (`_cpu_ops.CpuNorms`)."""
         residual: torch.Tensor | None = None
         for layer, kv in zip(self.decoder_layers(), kv_caches, strict=True):
             rotary = layer.self_attn.rotary

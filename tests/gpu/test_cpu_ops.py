@@ -1,0 +1,140 @@
+"""The C one-pass norms of the torch forward (`_cpu_ops.CpuNorms`) against torch's ops, and the
+forward that uses them against the forward without them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from trillm.gpu import _layers
+from trillm.gpu._cpu_ops import CpuNorms, cpu_norms
+from trillm.gpu._layers import RMSNorm
+from trillm.gpu.models import llama
+
+from .conftest import make_runner, save_tiny
+
+
+def _norms() -> CpuNorms:
+    norms = cpu_norms(torch.zeros(1))
+    if norms is None:
+        pytest.skip("the C kernels did not build here")
+    return norms
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    """Hugging Face's float32 RMSNorm, op by op."""
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight + offset) * normed
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["llama", "gemma"])
+@pytest.mark.parametrize("hidden", [64, 72, 5], ids=["vectors", "tail", "short"])
+def test_add_rms_norm_is_the_sum_and_its_norm(offset: float, hidden: int) -> None:
+    torch.manual_seed(0)
+    x, residual = torch.randn(37, hidden) * 3, torch.randn(37, hidden)
+    weight = torch.randn(hidden)
+    out, total = _norms().add_rms_norm(x, residual, weight, 1e-6, offset)
+    assert torch.equal(total, x + residual)  # the same float32 adds
+    torch.testing.assert_close(out, _reference(x + residual, weight, 1e-6, offset))
+    plain = _norms().rms_norm(x, weight, 1e-6, offset)
+    torch.testing.assert_close(plain, _reference(x, weight, 1e-6, offset))
+
+
+def test_rows_keep_their_shape_and_none_is_none() -> None:
+    x = torch.randn(3, 4, 32)
+    out, total = _norms().add_rms_norm(x, x, torch.ones(32), 1e-5, 0.0)
+    assert out.shape == total.shape == (3, 4, 32)
+    empty = _norms().rms_norm(torch.empty(0, 32), torch.ones(32), 1e-5, 0.0)
+    assert empty.shape == (0, 32)
+
+
+def test_only_float32_on_the_cpu_takes_the_c_norms() -> None:
+    assert cpu_norms(torch.zeros(2, dtype=torch.bfloat16)) is None
+    assert cpu_norms(torch.zeros(2, dtype=torch.float16)) is None
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["llama", "gemma"])
+def test_the_module_norms_rows_in_c_and_head_views_in_torch(offset: float) -> None:
+    """A contiguous input goes to the C kernel; per-head q/k views of a qkv row (strided)
+    stay torch's: both give the reference."""
+    _norms()
+    torch.manual_seed(1)
+    norm = RMSNorm(16, 1e-6, torch.float32, offset=offset)
+    norm.weight.data.normal_()
+    qkv = torch.randn(5, 3 * 16 + 8)
+    heads = qkv[:, :48].view(5, 3, 16)  # not contiguous
+    torch.testing.assert_close(norm(heads), _reference(heads, norm.weight, 1e-6, offset))
+    rows = heads.contiguous()
+    torch.testing.assert_close(norm(rows), _reference(rows, norm.weight, 1e-6, offset))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_forward_with_c_norms_is_the_torch_forward(
+    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mixed float32 step (prompt, chunk, decode) with the residual adds fused into the C
+    norms, against the same step with torch's adds and norms."""
+    _norms()
+    model_dir = save_tiny(tmp_path, family)
+    calls = []
+    add_rms_norm = CpuNorms.add_rms_norm
+
+    def counted(self: CpuNorms, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(args[0].shape)
+        return add_rms_norm(self, *args)
+
+    monkeypatch.setattr(CpuNorms, "add_rms_norm", counted)
+    fused = _step(model_dir)
+    assert calls == [(9, 64)] * 4  # both post-attention norms, layer 1's input, the final
+    monkeypatch.setattr(llama, "cpu_norms", lambda x: None)
+    monkeypatch.setattr(_layers, "cpu_norms", lambda x: None)
+    plain = _step(model_dir)
+    assert fused.dtype == torch.float32
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+
+
+def _step(model_dir: Path) -> torch.Tensor:
+    """The final hidden states of one float32 step: a 5-token prompt, a 3-token chunk after 4
+    cached tokens, a decode after 6 (the torch forward, C attention)."""
+    runner = make_runner(model_dir, num_blocks=8, cpu_linear="aten")
+    assert runner.model is not None and runner.attention is not None
+    counts, contexts = np.array([5, 3, 1]), np.array([5, 7, 7])
+    tables = np.array([[0, 1], [2, 3], [4, 5]], np.int32)
+    positions = np.concatenate([np.arange(c - n, c) for n, c in zip(counts, contexts, strict=True)])
+    seq = np.repeat(np.arange(3), counts)
+    slots = tables[seq, positions // 8] * 8 + positions % 8
+    meta = runner.attention.metadata(counts, contexts, tables, slots, torch.from_numpy)
+    ids = torch.from_numpy(50 + positions * 3 + seq)
+    with torch.inference_mode():
+        return runner.model(ids, torch.from_numpy(positions), runner.kv_caches, meta)
+
+
+LEVEL_CHILD = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from tests.gpu.test_cpu_ops import test_add_rms_norm_is_the_sum_and_its_norm as check
+for offset in (0.0, 1.0):
+    for hidden in (64, 72, 5):
+        check(offset, hidden)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"], ids=["avx2", "sse2"])
+@pytest.mark.slow
+def test_the_avx2_and_sse2_builds_norm_the_same(march: str, tmp_path: Path) -> None:
+    if os.uname().machine != "x86_64":
+        pytest.skip("x86-64 levels")
+    env = {**os.environ, "TRILLM_CPU_MARCH": march, "TRILLM_CACHE_DIR": str(tmp_path)}
+    root = str(Path(__file__).resolve().parents[2])
+    command = [sys.executable, "-c", LEVEL_CHILD, root]
+    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    assert list(tmp_path.glob("kernels/cpu_decode-*.so"))  # built for that level, apart
