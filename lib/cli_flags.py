@@ -120,7 +120,7 @@ SERVE_LAYOUT: tuple[tuple[tuple[str, str | None] | None, str], ...] = (
     (
         None,
         """max_model_len max_num_seqs max_num_batched_tokens max_prefill_tokens_per_decode
-        block_size
+        block_size async_scheduling
         enable_prefix_caching load_format gpu_memory_utilization kv_cache_memory_bytes seed
         api_key api_key_file max_queued_requests max_prompts_per_request
         request_body_timeout shutdown_timeout write_timeout stream_interval

@@ -9,6 +9,8 @@ from ..config import WorkerConfigError as WorkerConfigError
 from ..wire import KernelChoice as KernelChoice
 from ..wire import SamplingOptions as SamplingOptions
 from . import _worker_process as worker_process  # noqa: F401 - the workers' wire, for executors
+from ._ahead import PendingOutput as PendingOutput
+from ._ahead import ReadyOutput as ReadyOutput
 from ._cpu_linear import CpuFeatures as CpuFeatures
 from ._cpu_linear import CpuLinearUnsupportedError as CpuLinearUnsupportedError
 from ._cpu_linear import probe_cpu_features as probe_cpu_features

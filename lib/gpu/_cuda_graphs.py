@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -131,14 +132,19 @@ class DecodeGraphs:
         slots: np.ndarray,
         seq_lens: np.ndarray,
         block_tables: np.ndarray,
+        *,
+        ids_patch: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """Hidden states [B, hidden] of B decode tokens (host arrays: they reach the static
-        buffers padded, in one copy, `GraphInputs.fill`)."""
+        buffers padded, in one copy, `GraphInputs.fill`). `ids_patch` then sets some of the
+        static ids on the device, in the same stream (async scheduling's tokens in flight)."""
         b = len(input_ids)
         size = self.size_for(b)
         if size is None:
             raise ValueError(f"no CUDA graph for {b} sequences (largest: {self.max_size})")
         self.inputs.fill(size, input_ids, positions, slots, seq_lens, block_tables)
+        if ids_patch is not None:
+            ids_patch(self.inputs.input_ids)
         captured = self.graphs[size]
         self.num_runs += 1
         if captured is None:  # off CUDA: the same buffers, eagerly

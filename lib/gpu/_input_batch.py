@@ -46,6 +46,9 @@ class InputBatch:
         self.block_table = np.zeros((max_num_reqs, max_blocks), np.int32)
         self.num_blocks = np.zeros(max_num_reqs, np.int32)
         self.row_of: dict[int, int] = {}
+        # Bumped when a row changes hands: a late result (async scheduling) finds its row by
+        # (row, generation), never by a row given to another request since.
+        self.generation = np.zeros(max_num_reqs, np.int64)
         self._index: tuple[np.ndarray, np.ndarray] | None = None  # row_of sorted (`rows_of`)
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -59,6 +62,7 @@ class InputBatch:
             raise CapacityError(f"{len(tokens)} tokens exceed max_model_len {self.max_model_len}")
         row = self._free_rows.pop()
         self.row_of[request.rnum] = row
+        self.generation[row] += 1
         self._index = None
         self.token_ids[row, : len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
@@ -73,6 +77,7 @@ class InputBatch:
         row = self.row_of.pop(rnum, None)
         if row is not None:
             self._free_rows.append(row)
+            self.generation[row] += 1
             self._index = None
 
     def rows_of(self, rnums: np.ndarray) -> np.ndarray:
@@ -110,6 +115,25 @@ class InputBatch:
             raise CapacityError(f"a request grew past max_model_len {self.max_model_len}")
         self.token_ids[rows, ends] = token_ids
         self.num_tokens[rows] = ends + 1
+
+    def append_placeholders(self, rows: np.ndarray) -> np.ndarray:
+        """Count one token more in each of `rows`, not known yet (a step's output read later,
+        `_ahead`); `token_ids` holds 0 there until `append_tokens_at`. Returns the positions."""
+        ends: np.ndarray = self.num_tokens[rows].astype(np.int64)
+        if len(ends) and int(ends.max()) >= self.max_model_len:
+            raise CapacityError(f"a request grew past max_model_len {self.max_model_len}")
+        self.token_ids[rows, ends] = 0
+        self.num_tokens[rows] = ends + 1
+        return ends
+
+    def append_tokens_at(
+        self, rows: np.ndarray, generations: np.ndarray, positions: np.ndarray, tokens: np.ndarray
+    ) -> np.ndarray:
+        """Write the tokens of placeholders (`append_placeholders`) into the rows still held
+        by the same requests. Returns the mask of those rows."""
+        live: np.ndarray = self.generation[rows] == generations
+        self.token_ids[rows[live], positions[live]] = tokens[live]
+        return live
 
     def append_token_runs(self, rows: np.ndarray, offsets: np.ndarray, tokens: np.ndarray) -> None:
         """Append `tokens[offsets[i]:offsets[i + 1]]` to row `rows[i]` (a verify step's

@@ -31,6 +31,7 @@ import torch
 from ..config import WorkerConfig
 from ..wire import KernelChoice, LoraModule
 from . import _native
+from ._ahead import AheadTokens, HostCopy, IdsPatch, PendingOutput, ReadyOutput, ids_patch
 from ._attention import AttentionBackend, QkvAttention, StepAttention, TorchAttention
 from ._config import quantization_for, torch_dtype
 from ._cpu_decode import CpuStep, build_cpu_step, c_step_max_batch
@@ -100,6 +101,7 @@ class ModelRunner:
         self.drafter: DraftModel | None = None  # a draft model's proposer (made by load_model)
         eos = model_config.eos_token_ids
         self.eos_token_id = eos[0] if eos else None
+        self._ahead: AheadTokens | None = None  # the last step ahead's tokens, not yet read
 
     # -- start-up ---------------------------------------------------------------------------
 
@@ -258,7 +260,6 @@ class ModelRunner:
 
     # -- one step ---------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(
         self, batch: StepBatch, masks: Callable[[], np.ndarray] | None = None
     ) -> RunnerOutput:
@@ -267,6 +268,20 @@ class ModelRunner:
         `masks` waits for the grammar bitmask of `batch.grammar_rnums` (computed while the
         forward runs); it is called after the forward, just before sampling.
         """
+        return self._execute(batch, masks, ahead=False).result()
+
+    def execute_ahead(
+        self, batch: StepBatch, masks: Callable[[], np.ndarray] | None = None
+    ) -> PendingOutput:
+        """`execute`, its tokens read later (async scheduling, `_ahead`): the next step may
+        run before `result()`, its rows past this step's tokens reading them on the device.
+        Steps with drafts to verify or propose are synchronous (their output is ready)."""
+        return self._execute(batch, masks, ahead=True)
+
+    @torch.inference_mode()
+    def _execute(
+        self, batch: StepBatch, masks: Callable[[], np.ndarray] | None, *, ahead: bool
+    ) -> PendingOutput:
         if self.model is None or not self.kv_caches:
             raise RuntimeError("execute() before load_model() and init_kv_cache()")
         self._update_requests(batch)
@@ -280,7 +295,8 @@ class ModelRunner:
         )
         fault = self.faults.arm(self.model, inputs)
         if inputs is None:
-            return RunnerOutput(np.zeros(0, np.uint64), np.zeros(0, np.int32))
+            return ReadyOutput(RunnerOutput(np.zeros(0, np.uint64), np.zeros(0, np.int32)))
+        patch = self._ids_patch(inputs)
         embeds = None
         if self.prompt_embeds:
             rnums = batch.scheduled_rnums.tolist()
@@ -293,7 +309,7 @@ class ModelRunner:
         path = choose_path(
             inputs, self.graphs, self.cpu_step, fault=torch_only, verify=drafts is not None
         )
-        hidden = self._forward(path, inputs, embeds)
+        hidden = self._forward(path, inputs, embeds, patch)
         reads = _StepReads(self._prompt_logprobs(batch, inputs, hidden))
         self.inputs.advance(inputs)
         samples = inputs.samples
@@ -307,7 +323,7 @@ class ModelRunner:
         if not len(sampling):
             output = RunnerOutput(rnums, np.zeros(0, np.int32))
             reads.apply(output, _to_host(*reads.tensors()))
-            return output
+            return ReadyOutput(output)
         last = inputs.token_starts[sampling] + inputs.counts[sampling] - 1
         if drafts is not None:
             states = [self.sampling[int(r)] for r in rnums]
@@ -325,12 +341,14 @@ class ModelRunner:
                 device=self.device,
             )
             sampled = self.sampler(logits, sampling_batch)
+            if ahead and not batch.num_speculative_tokens:
+                return self._finish_ahead(rows, rnums, sampled, reads)
             output = self._finish(rows, rnums, sampled, reads)
         if batch.num_speculative_tokens:
             output.draft_offsets, output.draft_token_ids = self._propose(
                 batch.num_speculative_tokens, inputs.rows[sampling]
             )
-        return output
+        return ReadyOutput(output)
 
     def _verify(
         self,
@@ -405,12 +423,15 @@ class ModelRunner:
             max_n=spec.prompt_lookup_max,
         )
 
-    def _forward(self, path: Path, inputs: StepInputs, embeds: Embeds | None) -> torch.Tensor:
-        """Hidden states of the step's tokens, by `path` (`choose_path`)."""
+    def _forward(
+        self, path: Path, inputs: StepInputs, embeds: Embeds | None, patch: IdsPatch | None = None
+    ) -> torch.Tensor:
+        """Hidden states of the step's tokens, by `path` (`choose_path`); `patch` sets the
+        ids of rows past a step in flight (`_ids_patch`)."""
         assert self.model is not None
         if path is Path.C_STEP:
             assert self.cpu_step is not None
-            ids, table = self._tensor(inputs.input_ids), self._block_table(inputs)
+            ids, table = self._ids(inputs, patch), self._block_table(inputs)
             lora = None if self.lora is None else self.lora.batch.token_slots
             if len(inputs.input_ids) > len(inputs.rows):  # a verify step: a row per token
                 context, table = expand_verify_rows(inputs.counts, inputs.positions, table)
@@ -437,6 +458,7 @@ class ModelRunner:
                 inputs.slots,
                 inputs.context_lens,
                 self._block_table(inputs),
+                ids_patch=None if patch is None else lambda ids: patch.apply(ids, self._tensor),
             )
         meta: StepAttention | QkvAttention
         if path is Path.C_ATTENTION:
@@ -446,7 +468,7 @@ class ModelRunner:
         else:
             meta = self._attention_metadata(inputs)
         hidden: torch.Tensor = self.model(
-            self._tensor(inputs.input_ids), self._tensor(positions), self.kv_caches, meta, embeds
+            self._ids(inputs, patch), self._tensor(positions), self.kv_caches, meta, embeds
         )
         return hidden
 
@@ -561,6 +583,50 @@ class ModelRunner:
         reads.apply(output, rest)
         return output
 
+    def _finish_ahead(
+        self, rows: np.ndarray, rnums: np.ndarray, sampled: SamplerOutput, reads: _StepReads
+    ) -> PendingOutput:
+        """Count the step's tokens as appended (placeholders), queue their copy to the host,
+        and return the output to read later; the next step's rows read them on the device."""
+        tokens = sampled.token_ids.to(torch.int32)
+        positions = self.inputs.append_placeholders(rows)
+        ahead = AheadTokens(rows, self.inputs.generation[rows], positions, tokens)
+        self._ahead = ahead
+        copy = HostCopy(
+            tokens, sampled.logprobs, sampled.topk_ids, sampled.topk_logprobs, *reads.tensors()
+        )
+        return _AheadOutput(self, ahead, rnums, copy, reads)
+
+    def _resolve(self, ahead: AheadTokens, token_ids: np.ndarray) -> None:
+        """Write a step ahead's tokens, read at last, into the rows still holding them."""
+        live = self.inputs.append_tokens_at(
+            ahead.rows, ahead.generations, ahead.positions, token_ids
+        )
+        self.sampling_rows.append_outputs(ahead.rows[live], token_ids[live])
+        if self._ahead is ahead:
+            self._ahead = None
+
+    def _ids_patch(self, inputs: StepInputs) -> IdsPatch | None:
+        """The ids of this step's rows that are tokens of the step in flight (none when its
+        output was read, as every synchronous step's is)."""
+        if self._ahead is None:
+            return None
+        return ids_patch(
+            self._ahead,
+            self.inputs.generation,
+            inputs.rows,
+            inputs.counts,
+            inputs.token_starts,
+            inputs.positions,
+        )
+
+    def _ids(self, inputs: StepInputs, patch: IdsPatch | None) -> torch.Tensor:
+        """The step's input ids on the device, `patch`ed."""
+        ids = self._tensor(inputs.input_ids)
+        if patch is not None:
+            patch.apply(ids, self._tensor)
+        return ids
+
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         """Host array to the device; on CUDA through pinned memory, so the copy is async."""
         tensor = torch.from_numpy(array)
@@ -612,6 +678,38 @@ class ModelRunner:
             tensors = compute_logprobs(logits, targets, k)
             result.append(_PendingPromptLogprobs(rnum, start + 1, tensors))
         return result
+
+
+class _AheadOutput:
+    """A step ahead's output (`execute_ahead`): `result()` reads it and appends its tokens."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        ahead: AheadTokens,
+        rnums: np.ndarray,
+        copy: HostCopy,
+        reads: _StepReads,
+    ) -> None:
+        self._runner, self._ahead, self._rnums = runner, ahead, rnums
+        self._copy, self._reads = copy, reads
+        self._output: RunnerOutput | None = None
+
+    def result(self) -> RunnerOutput:
+        if self._output is None:
+            token_ids, logprobs, topk_ids, topk_logprobs, *rest = self._copy.wait()
+            assert token_ids is not None
+            self._runner._resolve(self._ahead, token_ids)
+            output = RunnerOutput(
+                self._rnums,
+                token_ids,
+                logprobs=logprobs,
+                topk_ids=topk_ids,
+                topk_logprobs=topk_logprobs,
+            )
+            self._reads.apply(output, rest)
+            self._output = output
+        return self._output
 
 
 class _PendingPromptLogprobs(NamedTuple):

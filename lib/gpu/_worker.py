@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ..config import WorkerConfig
 from ..wire import KernelChoice, LoraModule
+from ._ahead import PendingOutput
 from ._config import torch_device
 from ._model_runner import ModelRunner
 from ._parallel import TensorParallel
@@ -170,6 +171,12 @@ class Worker:
         self, batch: StepBatch, masks: Callable[[], np.ndarray] | None = None
     ) -> RunnerOutput:
         return self.runner.execute(batch, masks)
+
+    def execute_ahead(
+        self, batch: StepBatch, masks: Callable[[], np.ndarray] | None = None
+    ) -> PendingOutput:
+        """`execute`, its output read later (async scheduling, `ModelRunner.execute_ahead`)."""
+        return self.runner.execute_ahead(batch, masks)
 
     def add_lora(self, module: LoraModule) -> str:
         """Read and check adapter `module` for this rank; return its digest.

@@ -28,12 +28,13 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from ...gpu import RunnerOutput
+from ...gpu import PendingOutput, RunnerOutput, StepBatch
 from ...transport_shm import BusyError, RingReader, RingWriter
 from ...wire import LoraModule, numbered
 from ..protocol import _messages as P
 from ..protocol._config import EngineConfig
 from ..protocol._step_record import FinishReason, write_step
+from ._async_scheduler import AsyncScheduler
 from ._executor import Executor
 from ._grammar import Grammars, load_ll_tokenizer
 from ._lora_registry import LoraRegistry, LoraRegistryError
@@ -78,6 +79,9 @@ class EngineCore:
         self.is_paused = False  # `pause`: nothing is scheduled until `resume`
         self.sleep_level = 0  # `sleep`: 1 or 2 while asleep (no KV cache), 0 awake
         self._profiler: Any = None  # a running torch.profiler.profile
+        # Async scheduling: the step executed ahead whose output is read after the next
+        # step is executed (None: none in flight).
+        self._pending: tuple[StepBatch, PendingOutput] | None = None
         self._profile_path = ""
 
     @property
@@ -90,7 +94,8 @@ class EngineCore:
         worker = self.config.worker
         model = self.executor.model_config
         self.max_model_len = self.executor.max_model_len
-        self.scheduler = Scheduler(
+        scheduler = AsyncScheduler if self.config.async_scheduling else Scheduler
+        self.scheduler = scheduler(
             SchedulerConfig(
                 num_blocks=num_blocks,
                 block_size=worker.block_size,
@@ -126,7 +131,7 @@ class EngineCore:
         while True:
             self._admit_compiled()
             schedulable = self.can_step and self.scheduler.has_schedulable_requests()
-            busy = schedulable or self._needs_flush
+            busy = schedulable or self._needs_flush or self._pending is not None
             compiling = self._grammars is not None and self._grammars.num_pending > 0
             # Idle and draining: nothing is left to wait for (blocking here cost a 1 s poll).
             self._drain_requests(
@@ -137,6 +142,8 @@ class EngineCore:
                 self._abort_all()
             if self.can_step and (self.scheduler.has_schedulable_requests() or self._needs_flush):
                 self._step()
+            elif self._pending is not None:  # nothing to run behind it: read it now
+                self._finish_pending()
             elif self._needs_flush:  # paused or asleep: report the aborts without a step
                 self._flush()
             elif self._draining_until is not None and not self.scheduler.has_unfinished_requests():
@@ -144,7 +151,16 @@ class EngineCore:
 
     def _step(self) -> None:
         self._needs_flush = False
-        batch = self.scheduler.schedule()
+        scheduler = self.scheduler
+        if isinstance(scheduler, AsyncScheduler):
+            if self._pending is not None and not scheduler.may_schedule_ahead():
+                self._finish_pending()  # the next step needs its tokens first
+            batch = scheduler.schedule()
+            if scheduler.is_ahead(batch):
+                self._step_ahead(batch)
+                return
+        else:
+            batch = scheduler.schedule()
         self.step_rnums = batch.scheduled_rnums
         masks = None
         if len(batch.grammar_rnums) and self._grammars is not None:
@@ -163,6 +179,37 @@ class EngineCore:
             answers, self._answers_after_step = self._answers_after_step, None
         for answer in answers:
             self._send_event(answer)
+
+    def _step_ahead(self, batch: StepBatch) -> None:
+        """Execute `batch` (scheduled ahead), then read and apply the step before it: on a
+        GPU the host part of that step (its update, its STEP record) overlaps this one."""
+        self.step_rnums = batch.scheduled_rnums
+        pending = self.executor.execute_ahead(batch)  # no grammar rows: no masks
+        previous, self._pending = self._pending, (batch, pending)
+        self._answers_after_step = []
+        try:
+            if previous is not None:
+                self._apply(*previous)
+            self._drain_requests(block=False)  # aborts that arrived meanwhile drop their tokens
+            if not self.can_step:  # paused or asleep meanwhile: its record before the answer
+                self._finish_pending()
+        finally:
+            answers, self._answers_after_step = self._answers_after_step, None
+        for answer in answers:
+            self._send_event(answer)
+
+    def _finish_pending(self) -> None:
+        """Read and apply the step in flight, if any."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._apply(*pending)
+
+    def _apply(self, batch: StepBatch, pending: PendingOutput) -> None:
+        self.step_rnums = batch.scheduled_rnums
+        result = self.scheduler.update_from_output(batch, pending.result())
+        self.step_rnums = None
+        self._write(result)
+        self._retire_loras()
 
     def _flush(self) -> None:
         """Report aborts and rejected ADDs without scheduling (paused or asleep)."""
@@ -391,6 +438,7 @@ class EngineCore:
             )
         aborted = self.scheduler.unfinished_rnums()
         self._abort(aborted)
+        self._finish_pending()  # its rows dropped, its aborts reported: then the KV can go
         self.scheduler.reset_prefix_cache()  # no block is held now, so this cannot refuse
         self.executor.sleep(level)
         self.sleep_level = level

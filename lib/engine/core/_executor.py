@@ -22,6 +22,8 @@ import numpy as np
 from ...gpu import (
     KernelChoice,
     ModelConfig,
+    PendingOutput,
+    ReadyOutput,
     RunnerOutput,
     StepBatch,
     Worker,
@@ -55,6 +57,16 @@ class Executor(abc.ABC):
         Raises:
             WorkerDiedError: a rank raised or exited.
         """
+
+    def execute_ahead(self, batch: StepBatch, masks: Masks | None = None) -> PendingOutput:
+        """Run one step whose output may be read later (async scheduling): the next step
+        may be executed before `result()`. Here the step is synchronous, its output ready
+        (the multiprocess and null executors: correct, without the overlap).
+
+        Raises:
+            WorkerDiedError: a rank raised or exited (here or at `result()`).
+        """
+        return ReadyOutput(self.execute(batch, masks))
 
     def check_health(self) -> None:  # noqa: B027 - most executors have nothing to check
         """Raise `WorkerDiedError` if a worker died while the engine was idle."""
@@ -118,6 +130,12 @@ class UniprocExecutor(Executor):
         except Exception as exc:
             raise failure_error(WorkerFailure.from_exception(0, exc)) from exc
 
+    def execute_ahead(self, batch: StepBatch, masks: Masks | None = None) -> PendingOutput:
+        try:
+            return _Guarded(self.worker.execute_ahead(batch, masks))
+        except Exception as exc:
+            raise failure_error(WorkerFailure.from_exception(0, exc)) from exc
+
     def sleep(self, level: int) -> None:
         self.worker.sleep(level)
 
@@ -132,6 +150,20 @@ class UniprocExecutor(Executor):
 
     def shutdown(self) -> None:
         self.worker.shutdown()
+
+
+class _Guarded:
+    """A pending output whose failure at `result()` (a CUDA error surfaces at the wait) is
+    the worker's death, as `execute`'s."""
+
+    def __init__(self, pending: PendingOutput) -> None:
+        self._pending = pending
+
+    def result(self) -> RunnerOutput:
+        try:
+            return self._pending.result()
+        except Exception as exc:
+            raise failure_error(WorkerFailure.from_exception(0, exc)) from exc
 
 
 class NullExecutor(Executor):

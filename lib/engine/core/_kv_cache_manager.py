@@ -140,7 +140,9 @@ class KVCacheManager:
         """Index `request`'s blocks that became full of computed tokens since the last call."""
         if not self.enable_prefix_caching or request.prompt_embeds:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        # Only known tokens: a placeholder's KV (async scheduling) has no hash yet.
+        known = min(request.num_computed_tokens, len(request.all_token_ids))
+        num_full = known // self.block_size
         num_cached = self._num_cached_blocks.get(request.rnum)
         if num_cached is None or num_full <= num_cached:
             return

@@ -67,6 +67,9 @@ class Request:
     # Speculative decoding: the draft tokens the runner proposed after the last step, which
     # the next one verifies (`_spec_decode`); never outputs until accepted.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Async scheduling (`_async_scheduler`): tokens a step in flight will sample for it, not
+    # known yet; counted in `num_tokens`, so the next step computes past them.
+    num_output_placeholders: int = 0
     _all_token_ids: list[int] = field(init=False, repr=False)
     # EOS (unless ignored) and the stop token ids: one set test per sampled token.
     stop_token_set: frozenset[int] = field(init=False, repr=False)
@@ -80,8 +83,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus output tokens known so far."""
-        return len(self._all_token_ids)
+        """Prompt plus output tokens so far, the placeholders of steps in flight counted."""
+        return len(self._all_token_ids) + self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -23,6 +23,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     tensor_parallel_size: int = 1
     executor: str = "auto"  # auto: "uni" at TP 1, "multiproc" above
     enable_prefix_caching: bool = True
+    # Schedule step N+1 while N runs (`engine.core._async_scheduler`); off: each step is
+    # scheduled after the last one's tokens are read.
+    async_scheduling: bool = False
     null_step_time: float = 0.0  # the null executor's simulated step time, seconds
     null_num_blocks: int = 65536
     request_ring_bytes: int = 1 << 22
@@ -145,6 +148,12 @@ ENGINE_FLAGS = {
         ("--distributed-timeout",), "seconds for every node to join before start-up fails"
     ),
     "enable_prefix_caching": Flag(("--enable-prefix-caching",)),
+    "async_scheduling": Flag(
+        ("--async-scheduling",),
+        "schedule each step while the last one runs, its tokens read a step later (steps "
+        "with grammars, penalties, min_tokens, prompt logprobs, pooling or speculative "
+        "decoding stay synchronous)",
+    ),
     "lora_modules": Flag(
         ("--lora-modules",),
         "LoRA adapters to serve, each name=path (a PEFT directory) or JSON "
