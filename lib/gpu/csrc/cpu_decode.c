@@ -33,6 +33,7 @@
 #include "tl_attention.h"
 #include "tl_linear.h"
 #include "tl_moe.h"
+#include "tl_prompt_attention.h"
 #include "tl_norm.h"
 #include "tl_vec.h"
 
@@ -242,11 +243,51 @@ int trillm_linear(const void *w, int wtype, int K, int N, const float *x, int M,
     return 0;
 }
 
+/* A prompt step's attention task: kv head g of tokens m0 .. m0 + n - 1, a block of one
+ * sequence (`attend_block`) when n >= BLOCK_MIN, else token m0 alone (`attend_group`); `cost`
+ * is its keys times the lanes it computes, to hand out the dearest first. */
+struct tl_task {
+    int32_t m0, n, g;
+    int64_t cost;
+};
+
+static int dearer_first(const void *a, const void *b) {
+    int64_t ca = ((const struct tl_task *)a)->cost, cb = ((const struct tl_task *)b)->cost;
+    return ca < cb ? 1 : ca > cb ? -1 : 0;
+}
+
+/* The tasks of M tokens into `tasks` (M * num_kv_heads at most), the dearest first; returns
+ * their number. Consecutive tokens of a row of `rows` whose context lengths run on by one
+ * (a prompt's) make runs, cut into blocks of QBLOCK from their start; a run's tail shorter
+ * than BLOCK_MIN, and a decode token (a run of one), attends token by token. */
+static int prompt_tasks(const struct tl_model *md, const int32_t *rows, const int32_t *ctx,
+                        int M, int window, struct tl_task *tasks) {
+    int count = 0;
+    for (int m0 = 0, m1; m0 < M; m0 = m1) {
+        for (m1 = m0 + 1; m1 < M && m1 - m0 < QBLOCK && rows[m1] == rows[m0] &&
+                          ctx[m1] == ctx[m1 - 1] + 1;
+             m1++) {
+        }
+        int n = m1 - m0, tokens = n >= BLOCK_MIN ? 1 : n;
+        for (int t = 0; t < tokens; t++) {
+            int first = ctx[m0 + t], last = n >= BLOCK_MIN ? ctx[m1 - 1] : first;
+            int64_t keys = last - first_key(first, window);
+            for (int g = 0; g < md->num_kv_heads; g++)
+                tasks[count++] = (struct tl_task){m0 + t, n >= BLOCK_MIN ? n : 1, g,
+                                                  keys * (n >= BLOCK_MIN ? QBLOCK : 4)};
+        }
+    }
+    qsort(tasks, (size_t)count, sizeof *tasks, dearer_first);
+    return count;
+}
+
 /* One layer's attention for the torch forward's steps (the linears there are oneDNN's):
  * `attention_tasks` over M tokens on `threads` threads, with `layer`'s q/k norms, rotary
  * table and window. `rope_rows`, `slots`, `rows` (NULL: token m is sequence m) and
  * `context_lens` per token, as `struct tl_step` says. With `prompts` some token reads keys
- * another token of the step stores: all K/V are stored first, then every token attends.
+ * another token of the step stores: all K/V are stored first, then the prompts attend a
+ * block of tokens at a time (`attend_block`, head_dim % 16 == 0) and the decode tokens one
+ * by one, the dearest tasks handed out first, each to the next free thread.
  *
  * Why in C for prompts too: torch ran one SDPA per prompt and layer (480 calls in a step of
  * 16 prompts of 128 tokens on SmolLM2: 148-180 ms of 1.3 s, prefill_profile.py --top); this
@@ -258,13 +299,38 @@ void trillm_attention(const struct tl_model *md, const struct tl_layer *layer, v
                       float *out, int threads) {
     const struct tl_step step = {layer, k_cache, v_cache, qkv,          rope_rows,    slots,
                                  tables, rows,   context_lens, table_stride, out};
-    const int tasks = num_attention_tasks(md, M);
+    const int tasks = num_attention_tasks(md, M), D = md->head_dim;
+    const int group = md->num_heads / md->num_kv_heads;
+    const int64_t block_floats = block_work_floats(group, D);
+    struct tl_task *blocks = NULL;
+    float *block_work = NULL;
+    int num_blocks = 0;
+    if (prompts && D % 16 == 0) { /* without memory, the token-by-token path below */
+        blocks = malloc(sizeof *blocks * (size_t)M * md->num_kv_heads);
+        block_work = aligned_alloc(64, sizeof(float) * (size_t)(threads * block_floats + 16));
+        if (blocks && block_work)
+            num_blocks = prompt_tasks(md, rows, context_lens, M, layer->window, blocks);
+    }
 #pragma omp parallel num_threads(threads)
     {
         int tid, nt, t0, t1;
         thread_slot(&tid, &nt);
         float work[WORK_FLOATS(md->head_dim)];
-        if (prompts) { /* strided: a prompt's later tokens cost more, every thread takes some */
+        if (num_blocks) {
+            attention_tasks(md, &step, tid, tasks, nt, ATT_STORE, work);
+#pragma omp barrier
+            float *mine = block_work + tid * block_floats;
+#pragma omp for schedule(dynamic, 1) nowait
+            for (int i = 0; i < num_blocks; i++) {
+                const struct tl_task *task = &blocks[i];
+                if (task->n >= BLOCK_MIN) {
+                    attend_block(md, &step, task->m0, task->n, task->g, mine);
+                } else {
+                    int at = task->m0 * md->num_kv_heads + task->g;
+                    attention_tasks(md, &step, at, at + 1, 1, ATT_ATTEND, work);
+                }
+            }
+        } else if (prompts) { /* strided: a prompt's later tokens cost more */
             attention_tasks(md, &step, tid, tasks, nt, ATT_STORE, work);
 #pragma omp barrier
             attention_tasks(md, &step, tid, tasks, nt, ATT_ATTEND, work);
@@ -273,6 +339,8 @@ void trillm_attention(const struct tl_model *md, const struct tl_layer *layer, v
             attention_tasks(md, &step, t0, t1, 1, ATT_BOTH, work);
         }
     }
+    free(blocks);
+    free(block_work);
 }
 
 /* out[t, j] = silu(x[t, j]) * x[t, I + j] for a [T, 2I] gate/up projection in [gate | up]

@@ -20,7 +20,15 @@ static void head_in(const float *x, int h, int D, const float *norm, int mode, f
     }
     if (!c) return;
     const int r = rd / 2;
-    for (int i = 0; i < r; i++) {
+    int i = 0;
+    for (; i + 16 <= r; i += 16) { /* a prompt step runs this per token and head */
+        f32x16 a = load_f32(out + i), b = load_f32(out + i + r);
+        f32x16 cv = load_f32(c + i), sv = load_f32(s + i);
+        f32x16 lo = a * cv - b * sv, hi = b * cv + a * sv;
+        memcpy(out + i, &lo, sizeof lo);
+        memcpy(out + i + r, &hi, sizeof hi);
+    }
+    for (; i < r; i++) {
         float a = out[i], b = out[i + r];
         out[i] = a * c[i] - b * s[i];
         out[i + r] = b * c[i] + a * s[i];
