@@ -11,6 +11,7 @@ from trillm.gpu import SamplingOptions
 
 from . import test_engine_process
 from .ring_client import EngineClient
+from .test_engine_control import call, pump_for
 
 tiny_dir = test_engine_process.tiny_dir
 client_for = test_engine_process.client_for
@@ -47,12 +48,13 @@ def stop_tokens(reference: EngineClient) -> dict[int, int]:
 @pytest.mark.timeout(300)
 def test_async_scheduling_gives_the_synchronous_tokens(client_for: object) -> None:
     start = client_for  # type: ignore[assignment]
-    plain = start()  # type: ignore[operator]
+    # 4 rows for 8 requests: rows are given to new requests while steps are in flight.
+    plain = start(max_num_seqs=4)  # type: ignore[operator]
     run_batch(plain, {}, ())
     stops = stop_tokens(plain)
-    sync = start()  # type: ignore[operator]
+    sync = start(max_num_seqs=4)  # type: ignore[operator]
     run_batch(sync, stops, ())
-    ahead = start(async_scheduling=True)  # type: ignore[operator]
+    ahead = start(async_scheduling=True, max_num_seqs=4)  # type: ignore[operator]
     run_batch(ahead, stops, ())
     assert dict(ahead.tokens) == dict(sync.tokens)
     assert ahead.finish == sync.finish
@@ -61,9 +63,9 @@ def test_async_scheduling_gives_the_synchronous_tokens(client_for: object) -> No
         assert len(sync.tokens[rnum]) < MAX_TOKENS[rnum]
     assert {sync.finish[r] for r in range(8) if r not in stops} == {FinishReason.LENGTH}
     # A request that keeps the steps synchronous (penalties) among them: the same again.
-    mixed_sync = start()  # type: ignore[operator]
+    mixed_sync = start(max_num_seqs=4)  # type: ignore[operator]
     run_batch(mixed_sync, stops, (2, 4))
-    mixed = start(async_scheduling=True)  # type: ignore[operator]
+    mixed = start(async_scheduling=True, max_num_seqs=4)  # type: ignore[operator]
     run_batch(mixed, stops, (2, 4))
     assert dict(mixed.tokens) == dict(mixed_sync.tokens)
     assert mixed.finish == mixed_sync.finish
@@ -91,3 +93,28 @@ def test_an_abort_mid_flight_ends_the_request_and_the_others_go_on(client_for: o
     stats = next(e for e in client.events if getattr(e, "call_id", None) == 1).result
     assert isinstance(stats, dict)
     assert stats["num_running"] == 0 and stats["kv_usage"] == 0.0
+
+
+@pytest.mark.timeout(180)
+def test_pause_and_sleep_mid_flight_answer_after_the_step_in_flight(client_for: object) -> None:
+    reference: EngineClient = client_for()  # type: ignore[operator]
+    reference.add(1, PROMPTS[1], 30, options_of(1))
+    reference.run_until(lambda: 1 in reference.finish)
+    client: EngineClient = client_for(async_scheduling=True)  # type: ignore[operator]
+    client.add(1, PROMPTS[1], 30, options_of(1))
+    client.run_until(lambda: len(client.tokens[1]) >= 3)
+    assert call(client, 1, "pause").result == 1
+    held = len(client.tokens[1])  # the step in flight was written before the answer
+    pump_for(client, 0.5)
+    assert len(client.tokens[1]) == held
+    assert call(client, 2, "resume").result == 1
+    client.run_until(lambda: 1 in client.finish)
+    assert client.tokens[1] == reference.tokens[1]
+    client.add(2, PROMPTS[1], 400, options_of(1))
+    client.run_until(lambda: len(client.tokens[2]) >= 3)
+    assert call(client, 3, "sleep", 1).result == 1  # aborted in flight, the KV cache freed
+    assert client.finish[2] == FinishReason.ABORT
+    assert call(client, 4, "wake_up").result == 1
+    client.add(3, PROMPTS[1], 30, options_of(1))
+    client.run_until(lambda: 3 in client.finish)
+    assert client.tokens[3] == reference.tokens[1]
