@@ -36,9 +36,10 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float)
 
 @pytest.mark.parametrize("offset", [0.0, 1.0], ids=["llama", "gemma"])
 @pytest.mark.parametrize("hidden", [64, 72, 5], ids=["vectors", "tail", "short"])
-def test_add_rms_norm_is_the_sum_and_its_norm(offset: float, hidden: int) -> None:
+@pytest.mark.parametrize("rows", [37, 1100])  # 1100 x 64: past `GRAIN`, on every thread
+def test_add_rms_norm_is_the_sum_and_its_norm(offset: float, hidden: int, rows: int) -> None:
     torch.manual_seed(0)
-    x, residual = torch.randn(37, hidden) * 3, torch.randn(37, hidden)
+    x, residual = torch.randn(rows, hidden) * 3, torch.randn(rows, hidden)
     weight = torch.randn(hidden)
     out, total = _norms().add_rms_norm(x, residual, weight, 1e-6, offset)
     assert torch.equal(total, x + residual)  # the same float32 adds
@@ -122,7 +123,8 @@ sys.path.insert(0, sys.argv[1])
 from tests.gpu.test_cpu_ops import test_add_rms_norm_is_the_sum_and_its_norm as check
 for offset in (0.0, 1.0):
     for hidden in (64, 72, 5):
-        check(offset, hidden)
+        for rows in (37, 1100):
+            check(offset, hidden, rows)
 print("ok")
 """
 
