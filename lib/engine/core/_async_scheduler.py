@@ -36,11 +36,11 @@ class StepsInFlightError(RuntimeError):
 
 @dataclass(slots=True)
 class _InFlight:
-    """A step scheduled ahead: the requests it scheduled (by identity: an rnum may be reused
-    once its request ended) and those that got a placeholder."""
+    """A step scheduled ahead: the requests that got a placeholder (by identity: an rnum may
+    be reused once its request ended) and those that computed a prompt chunk."""
 
-    scheduled: dict[int, Request]
     sampling: dict[int, Request]
+    chunks: list[Request]
 
 
 class AsyncScheduler(Scheduler):
@@ -50,6 +50,10 @@ class AsyncScheduler(Scheduler):
         super().__init__(config)
         self._in_flight: dict[int, _InFlight] = {}  # step -> what it scheduled
         self._needs_sync: dict[int, Request] = {}  # live requests that keep steps synchronous
+        # Running requests whose placeholder will end them by length (a row past it would
+        # pass max_tokens or max_model_len): found as placeholders are added, so a step costs
+        # no loop over the running requests.
+        self._ending: list[Request] = []
 
     def add_request(self, request: Request) -> None:
         super().add_request(request)
@@ -65,15 +69,13 @@ class AsyncScheduler(Scheduler):
             self._needs_sync = {r: q for r, q in self._needs_sync.items() if live.get(r) is q}
             if self._needs_sync:
                 return False
-        max_model_len = self.config.max_model_len
-        for request in self.running:
-            placeholders = request.num_output_placeholders
-            if placeholders and (
-                request.num_output_tokens + placeholders >= request.max_tokens
-                or request.num_tokens >= max_model_len
-            ):
-                return False
-        return True
+        if self._ending:  # until each one's last placeholder is replaced (it ends then)
+            self._ending = [
+                r
+                for r in self._ending
+                if r.num_output_placeholders and r.status is RequestStatus.RUNNING
+            ]
+        return not self._ending
 
     def is_ahead(self, batch: StepBatch) -> bool:
         """Whether `batch` was scheduled ahead (its output may be applied a step later)."""
@@ -98,19 +100,25 @@ class AsyncScheduler(Scheduler):
                 )
             return super().schedule()
         batch = super().schedule()
-        requests = self.requests
-        scheduled: dict[int, Request] = {}
+        requests, max_model_len = self.requests, self.config.max_model_len
         sampling: dict[int, Request] = {}
+        chunks: list[Request] = []
         for rnum, count in zip(
             batch.scheduled_rnums.tolist(), batch.num_scheduled_tokens.tolist(), strict=True
         ):
             request = requests[rnum]
             request.num_computed_tokens += count
-            scheduled[rnum] = request
-            if request.num_computed_tokens >= request.num_tokens:  # its row samples
-                request.num_output_placeholders += 1
-                sampling[rnum] = request
-        self._in_flight[batch.step] = _InFlight(scheduled, sampling)
+            if request.num_computed_tokens < request.num_tokens:
+                chunks.append(request)
+                continue
+            placeholders = request.add_output_placeholder()
+            sampling[rnum] = request
+            if (
+                request.num_output_tokens + placeholders >= request.max_tokens
+                or request.num_tokens >= max_model_len
+            ):
+                self._ending.append(request)
+        self._in_flight[batch.step] = _InFlight(sampling, chunks)
         return batch
 
     def update_from_output(self, batch: StepBatch, output: RunnerOutput) -> StepResult:
@@ -120,9 +128,9 @@ class AsyncScheduler(Scheduler):
             return super().update_from_output(batch, output)
         requests, kv = self.requests, self.kv_cache_manager
         max_model_len = self.config.max_model_len
-        for rnum, request in step.scheduled.items():
-            if rnum not in step.sampling and requests.get(rnum) is request:
-                kv.cache_blocks(request)  # a prompt chunk: its computed blocks
+        for request in step.chunks:
+            if requests.get(request.rnum) is request:
+                kv.cache_blocks(request)
         kept: list[int] = []
         finish: list[int] = []
         num_cached: list[int] = []
@@ -134,8 +142,7 @@ class AsyncScheduler(Scheduler):
             if sampled is None or requests.get(rnum) is not sampled:
                 continue  # ended (stopped, aborted) while this step was in flight
             request = sampled
-            request.num_output_placeholders -= 1
-            request.append_output_token(token_id)
+            request.replace_output_placeholder(token_id)
             reason = request.check_stop(token_id, max_model_len)
             running = request.status is RequestStatus.RUNNING
             if running:

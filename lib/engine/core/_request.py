@@ -71,11 +71,13 @@ class Request:
     # known yet; counted in `num_tokens`, so the next step computes past them.
     num_output_placeholders: int = 0
     _all_token_ids: list[int] = field(init=False, repr=False)
+    _num_tokens: int = field(init=False, repr=False)  # known tokens and placeholders
     # EOS (unless ignored) and the stop token ids: one set test per sampled token.
     stop_token_set: frozenset[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+        self._num_tokens = len(self._all_token_ids) + self.num_output_placeholders
         stop = set(self.options.stop_token_ids)
         if self.eos_token_id is not None and not self.options.ignore_eos:
             stop.add(self.eos_token_id)
@@ -84,7 +86,7 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Prompt plus output tokens so far, the placeholders of steps in flight counted."""
-        return len(self._all_token_ids) + self.num_output_placeholders
+        return self._num_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -105,6 +107,19 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         """Record one sampled token (the decode path's only per-token work)."""
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+        self._num_tokens += 1
+
+    def add_output_placeholder(self) -> int:
+        """Count a token that a step in flight will sample; returns the placeholders."""
+        self.num_output_placeholders += 1
+        self._num_tokens += 1
+        return self.num_output_placeholders
+
+    def replace_output_placeholder(self, token_id: int) -> None:
+        """Record the token of the oldest placeholder (`add_output_placeholder`)."""
+        self.num_output_placeholders -= 1
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
 
