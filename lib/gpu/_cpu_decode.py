@@ -50,11 +50,13 @@ MAX_BATCH = 64
 # --dtype bfloat16 --threads 1 --cpu-time --batch B [--c-step-max 0]`, C / torch forward,
 # Sapphire Rapids): B=8 37.3 / 56.3 ms, 16 61.4 / 69.2, 24 94.9 / 86.7, 32 113.8 / 86.9.
 AMX_BF16_MAX_BATCH = 16
-# Prompts attend in C (`CpuStep.attention`) up to this context. Each query reads its keys
-# alone, so a long prompt re-reads its KV from L3 per token; torch's SDPA tiles the queries.
-# One prompt of SmolLM2 fp32 (`perf/prefill_profile.py [--torch-attention]`, median ms, C /
-# SDPA): 128 tokens 85.9 / 96.9, 256: 173.0 / 181.1, 512: 407.8 / 419.3, 1024: 1055.5 / 860.1.
-PROMPT_CONTEXT_MAX = 512
+# Prompts attend in C (`CpuStep.attention`) up to this context; past it torch's SDPA takes the
+# step. C's attention takes a prompt 16 queries at a time (`csrc/tl_prompt_attention.h`); one
+# layer's attention alone against SDPA alone (1 thread, CPU time, ms, C / SDPA; SmolLM2's
+# shape): 512 tokens 4.58 / 10.44, 1024: 14.9 / 21.6, 2048: 57.6 / 61.8, 4096: 237 / 214; a
+# 2048-token prefill step 9525 / 11422 ms, 2 threads on a loaded machine
+# (`perf/prompt_attention_bench.py --step --prompts 1 --prompt-len 2048 --sdpa`).
+PROMPT_CONTEXT_MAX = 2048
 
 
 class CpuStep:

@@ -124,8 +124,8 @@ def test_prompt_chunks_and_mixed_steps_attend_in_c(
 def test_a_prompt_past_the_c_context_bound_attends_in_torch(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A step with a prompt longer than PROMPT_CONTEXT_MAX runs torch's SDPA (it tiles the
-    queries; C re-reads the keys per query), its chunks up to the bound in C."""
+    """A step with a prompt longer than PROMPT_CONTEXT_MAX runs torch's SDPA (faster past it),
+    its chunks up to the bound in C."""
     monkeypatch.setattr(_cpu_decode, "PROMPT_CONTEXT_MAX", 20)
     prompts = [list(range(300, 340)), list(range(400, 409))]
     runner, tokens, lp = _run(tiny_model_dir, prompts, 4)

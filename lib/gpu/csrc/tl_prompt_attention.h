@@ -33,9 +33,10 @@
 #define VALUE_DIMS 4
 #endif
 
-/* Floats of a thread's `attend_block` work for `group` query heads of head_dim D. */
+/* Floats of a thread's `attend_block` work for `group` query heads of head_dim D: the
+ * queries and outputs [group][D][QBLOCK], a key and a value block, two rotary rows. */
 static int64_t block_work_floats(int group, int D) {
-    return 2 * (int64_t)group * D * QBLOCK + 2 * (int64_t)KBLOCK * D + 4 * (int64_t)D;
+    return 2 * (int64_t)group * D * QBLOCK + 2 * (int64_t)KBLOCK * D + 2 * (int64_t)D;
 }
 
 /* 16 scores a lane: s[c] = qt . key c, for the KBLOCK keys `kb` [KBLOCK][D]. */
@@ -132,7 +133,8 @@ static inline __attribute__((always_inline)) void attend_block_d(
     const int rd = md->rotary_dim, ct = md->cache_type, window = st->layer->window;
     const struct tl_layer *L = st->layer;
     const int whole = md->qk_norm == QK_PROJECTION && L->q_norm;
-    float *qt = work, *ot = qt + (size_t)group * D * QBLOCK, *kbuf = ot + (size_t)group * D * QBLOCK;
+    float *qt = work, *ot = qt + (size_t)group * D * QBLOCK;
+    float *kbuf = ot + (size_t)group * D * QBLOCK;
     float *vbuf = kbuf + (size_t)KBLOCK * D, *cbuf = vbuf + (size_t)KBLOCK * D;
     float *sbuf = cbuf + D;
     /* the queries as rows [head][token][D] in ot's room first, then transposed into qt */
