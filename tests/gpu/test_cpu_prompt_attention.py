@@ -164,7 +164,7 @@ def test_prompt_attention_matches_sdpa(case: Case, threads: int) -> None:
     _run(case, threads)
 
 
-AVX2_CHILD = """
+LEVEL_CHILD = """
 import sys
 sys.path.insert(0, sys.argv[1])
 from tests.gpu import test_cpu_prompt_attention as t
@@ -174,14 +174,15 @@ print("ok")
 """
 
 
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"], ids=["avx2", "sse2"])
 @pytest.mark.slow
-def test_the_avx2_build_attends_prompts_the_same(tmp_path: Path) -> None:
-    """The kernel built without AVX-512 (x86-64-v3: fewer score accumulators a pass)."""
+def test_the_builds_without_avx512_attend_prompts_the_same(march: str, tmp_path: Path) -> None:
+    """The kernel built without AVX-512 (fewer score accumulators and value dims a pass)."""
     if os.uname().machine != "x86_64":
         pytest.skip("x86-64 levels")
-    env = {**os.environ, "TRILLM_CPU_MARCH": "x86-64-v3", "TRILLM_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "TRILLM_CPU_MARCH": march, "TRILLM_CACHE_DIR": str(tmp_path)}
     root = str(Path(__file__).resolve().parents[2])
-    command = [sys.executable, "-c", AVX2_CHILD, root]
+    command = [sys.executable, "-c", LEVEL_CHILD, root]
     out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
     assert list(tmp_path.glob("kernels/cpu_decode-*.so"))
