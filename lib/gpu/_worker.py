@@ -70,9 +70,12 @@ class Worker:
         return self._runner
 
     def init_device(self) -> None:
-        """Pick the device, join the process group (gloo on CPU, NCCL on CUDA), snapshot memory."""
-        with self.log.phase("device and process group"):
+        """Pick the device, join the process group (gloo on CPU, NCCL on CUDA), snapshot memory;
+        on CPU, keep freed activations in malloc's heap (`keep_activations_in_heap`)."""
+        with self.log.phase("device and process group") as notes:
             self._init_device()
+            if self.device.type == "cpu" and keep_activations_in_heap():
+                notes.append(f"(malloc: heap up to {MMAP_THRESHOLD >> 20} MiB blocks)")
 
     def _init_device(self) -> None:
         device = torch_device(self.config)
@@ -238,6 +241,31 @@ def _profile_batch(num_seqs: int, seq_len: int, blocks_per_seq: int) -> StepBatc
         new_requests=requests,
         scheduled_rnums=np.array([r.rnum for r in requests], np.uint64),
         num_scheduled_tokens=np.full(num_seqs, seq_len, np.int32),
+    )
+
+
+# glibc's mallopt parameters (malloc.h) and the values the CPU engine runs with.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD = 32 << 20  # above a 2048-token step's [T, hidden] and [T, q + 2 kv]
+TRIM_THRESHOLD = 1 << 30
+
+
+def keep_activations_in_heap() -> bool:
+    """Serve blocks up to 32 MiB from glibc's heap and keep up to 1 GiB of freed heap, so a
+    step's activations reuse the last step's pages; False where libc is not glibc.
+
+    Why: by default glibc maps each large block (from 128 KiB, rising with what is freed) anew
+    and unmaps it on free, and trims the heap's top past twice that, so every prefill step
+    page-faulted and zeroed its activations again: 174,582 minor faults a 2048-token step of
+    SmolLM2 float32, 7 with these thresholds (`perf/prefill_ab.py`, `perf/README.md`).
+    `release_memory` still trims the heap (sleep).
+    """
+    libc = ctypes.CDLL(None)  # the process's own symbols: the libc it runs on
+    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
+        return False  # musl and others: their malloc has no such knobs
+    return bool(
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     )
 
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
+import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from trillm.gpu import Worker, WorkerConfig
-from trillm.gpu._worker import KVCacheTooSmallError
+from trillm.gpu._worker import KVCacheTooSmallError, keep_activations_in_heap
 
 from .tp_peer import generate, generate_tp2
 
@@ -67,8 +71,10 @@ def test_start_up_logs_each_phase_and_the_total(
     worker.init_kv_cache(worker.num_available_kv_blocks())
     lines = [line for line in capsys.readouterr().err.splitlines() if "start-up:" in line]
     phases = [line.split("start-up: ", 1)[1].rsplit(":", 1)[0] for line in lines]
-    assert phases[:3] == [
-        "device and process group",
+    assert phases[0].startswith("device and process group")
+    if platform.libc_ver()[0] == "glibc":
+        assert phases[0].endswith("(malloc: heap up to 32 MiB blocks)")
+    assert phases[1:3] == [
         "checkpoint opened",
         "model built and weights loaded",
     ]
@@ -76,3 +82,41 @@ def test_start_up_logs_each_phase_and_the_total(
     assert phases[-2].startswith("KV cache of ") and phases[-1].startswith("worker ready in")
     seconds = [float(line.rsplit(" ", 2)[-2]) for line in lines]
     assert seconds[-1] >= sum(seconds[:-1]) - 0.01  # the total holds every phase
+
+
+MALLOC_CHILD = """
+import ctypes, sys
+import torch
+from trillm.gpu._worker import keep_activations_in_heap
+FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+class Info(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in FIELDS.split()]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Info
+if sys.argv[1] == "heap":
+    assert keep_activations_in_heap()
+before = libc.mallinfo2().hblkhd
+x = torch.empty(8 << 20, dtype=torch.uint8)
+print("mapped" if libc.mallinfo2().hblkhd - before >= 8 << 20 else "heap")
+"""
+
+
+@pytest.mark.parametrize("mode", ["mapped", "heap"])
+def test_a_cpu_worker_serves_activations_from_the_heap(mode: str) -> None:
+    """glibc maps an 8 MiB tensor of its own by default, and takes it from the heap (whose
+    freed pages the next step reuses) after `keep_activations_in_heap`."""
+    if platform.libc_ver()[0] != "glibc" or not hasattr(ctypes.CDLL(None), "mallinfo2"):
+        pytest.skip("glibc 2.33 or later")
+    command = [sys.executable, "-c", MALLOC_CHILD, mode]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == mode
+
+
+def test_without_glibc_malloc_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Musl:
+        def mallopt(self, param: int, value: int) -> int:
+            raise AssertionError("mallopt called on a libc that is not glibc")
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Musl())
+    assert not keep_activations_in_heap()
