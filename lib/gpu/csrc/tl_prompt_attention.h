@@ -203,31 +203,33 @@ static inline __attribute__((always_inline)) void attend_block_d(
             }
         }
         const int masked = j0 + KBLOCK > ctx0 || j0 < lo_max;
-        i32x16 valid[KBLOCK];
-        for (int c = 0; c < KBLOCK; c++) valid[c] = (j0 + c < ctx) & (j0 + c >= lo);
+        const f32x16 minus_inf = (f32x16){0} - INFINITY;
         for (int hh = 0; hh < group; hh++) {
-            f32x16 s[KBLOCK], p[KBLOCK];
+            f32x16 s[KBLOCK]; /* scores, then their weights */
             block_scores(qt + (size_t)hh * D * QBLOCK, kbuf, D, s);
-            f32x16 chunk_max = (f32x16){0} - INFINITY;
-            for (int c = 0; c < KBLOCK; c++) {
-                if (md->softcap > 0.0f) s[c] = tanh16(s[c] / md->softcap) * md->softcap;
-                if (masked) s[c] = (f32x16)(((i32x16)s[c] & valid[c]) |
-                                            ((i32x16)((f32x16){0} - INFINITY) & ~valid[c]));
-                chunk_max = vmax(chunk_max, s[c]);
-            }
+            if (md->softcap > 0.0f)
+                for (int c = 0; c < KBLOCK; c++) s[c] = tanh16(s[c] / md->softcap) * md->softcap;
+            if (masked) /* a masked score is -inf, and its weight 0 */
+                for (int c = 0; c < KBLOCK; c++) {
+                    i32x16 valid = (j0 + c < ctx) & (j0 + c >= lo);
+                    s[c] = (f32x16)(((i32x16)s[c] & valid) | ((i32x16)minus_inf & ~valid));
+                }
+            f32x16 chunk_max = s[0];
+            for (int c = 1; c < KBLOCK; c++) chunk_max = vmax(chunk_max, s[c]);
             f32x16 new_max = vmax(run_max[hh], chunk_max);
             /* a lane with no key yet (its window starts later) keeps max -inf: subtract 0 */
             i32x16 seen = new_max > -INFINITY;
             f32x16 base = (f32x16)((i32x16)new_max & seen);
             f32x16 alpha = exp16(run_max[hh] - base), sum = (f32x16){0};
-            for (int c = 0; c < KBLOCK; c++) {
-                p[c] = exp16(s[c] - base);
-                if (masked) p[c] = (f32x16)((i32x16)p[c] & valid[c]);
-                sum += p[c];
-            }
+            if (masked)
+                for (int c = 0; c < KBLOCK; c++)
+                    s[c] = (f32x16)((i32x16)exp16(s[c] - base) & (s[c] > minus_inf));
+            else
+                for (int c = 0; c < KBLOCK; c++) s[c] = exp16(s[c] - base);
+            for (int c = 0; c < KBLOCK; c++) sum += s[c];
             run_sum[hh] = run_sum[hh] * alpha + sum;
             run_max[hh] = new_max;
-            block_values(ot + (size_t)hh * D * QBLOCK, vbuf, D, alpha, p);
+            block_values(ot + (size_t)hh * D * QBLOCK, vbuf, D, alpha, s);
         }
     }
     for (int hh = 0; hh < group; hh++)
