@@ -6,19 +6,28 @@ profiler's self time: oneDNN/MKL linears, attention (SDPA), everything else. The
 prompt's FLOPs over the machine's best fp32 matmul rate, as `compare.py` computes it.
 
     python perf/prefill_profile.py [--prompt-len 128] [--prompts 1] [--repeats 7] [--torch-silu]
-        [--torch-attention] [--top N]
+        [--torch-attention] [--torch-norm | --ab-norm] [--glibc-default-malloc] [--no-profile]
+        [--top N]
 
 `--prompts N` prefills N prompts in one step (16 x 128 is a full 2048-token step);
 `--torch-silu` runs torch's SiLU(gate) * up instead of the C one-pass kernel
 (`lib/gpu/_cpu_ops.py`), to measure what that kernel saves; `--torch-attention` runs torch's
 SDPA per prompt instead of the C attention (`trillm_attention`, a ctypes call the profiler
-does not see: its time is in no group). `--top N` lists the N torch ops of most self time.
+does not see: its time is in no group). `--torch-norm` runs torch's residual adds and
+RMSNorms instead of the C one-pass ones (`_cpu_ops.CpuNorms`), and `--ab-norm` alternates the
+two step by step in this process and prints both medians and their ratio;
+`--glibc-default-malloc` leaves glibc's mmap and trim thresholds as they are (the worker
+raises them: `_worker.keep_activations_in_heap`). `--top N` lists the N torch ops of most self
+time; `--no-profile` times the steps only. Besides the median it prints the first step (the
+warm-up, which faults its memory in) and every step, and the minor page faults of the first
+step and of the others (a count the machine's load does not move, unlike the times).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 from pathlib import Path
 
@@ -44,18 +53,34 @@ def main() -> None:
         "--torch-attention", action="store_true",
         help="torch's SDPA per prompt (as --enforce-eager), not the C attention",
     )  # fmt: skip
+    p.add_argument("--torch-norm", action="store_true", help="torch's residual adds and norms")
+    p.add_argument(
+        "--ab-norm", action="store_true",
+        help="alternate C and torch norms run by run; print both medians and the ratio",
+    )  # fmt: skip
+    p.add_argument("--glibc-default-malloc", action="store_true", help="leave malloc's thresholds")
+    p.add_argument("--no-profile", action="store_true", help="time the steps only")
     p.add_argument("--top", type=int, default=0, help="also print the N ops of most self time")
     args = p.parse_args()
     if args.torch_silu:
         import torch.nn.functional as F
 
-        from trillm.gpu.models import llama
+        from trillm.gpu import _cpu_ops
 
         def torch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
             gate, up = gate_up.chunk(2, dim=-1)
             return F.silu(gate) * up
 
-        llama.silu_mul = torch_silu_mul
+        _cpu_ops.silu_mul = torch_silu_mul
+    if args.torch_norm:
+        from trillm.gpu import _layers
+        from trillm.gpu.models import llama
+
+        llama.cpu_norms = _layers.cpu_norms = lambda x: None
+    if args.glibc_default_malloc:
+        from trillm.gpu import _worker
+
+        _worker.keep_activations_in_heap = lambda: False
     model = default_model_dir()
     worker = Worker(
         WorkerConfig(
@@ -71,8 +96,22 @@ def main() -> None:
     worker.init_kv_cache(worker.num_available_kv_blocks())
     vocab = worker.runner.model_config.vocab_size
     batch = prompts(args.prompts, args.prompt_len, vocab)
-    trillm_run(worker, batch, 1)  # warm-up
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    first = trillm_run(worker, batch, 1)[0] * 1e3  # warm-up
+    first_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    if args.ab_norm:
+        ab_norm(worker, batch, args.repeats)
+        return
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     times = [trillm_run(worker, batch, 1)[0] * 1e3 for _ in range(args.repeats)]
+    step_faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / args.repeats
+    faulted = f"page faults: first step {first_faults}, then {step_faults:.0f} a step"
+    if args.no_profile:
+        print(f"{args.prompts} x {args.prompt_len}-token prefill, {args.repeats} runs: median "
+              f"{statistics.median(times):.1f} ms, best {min(times):.1f} ms")  # fmt: skip
+        print(f"first step {first:.1f} ms; steps " + " ".join(f"{t:.1f}" for t in times))
+        print(faulted)
+        return
     with profile() as prof:
         for _ in range(args.repeats):
             trillm_run(worker, batch, 1)
@@ -91,6 +130,8 @@ def main() -> None:
     print(f"{args.prompts} x {args.prompt_len}-token prefill, {args.repeats} runs: median "
           f"{statistics.median(times):.1f} ms, best {min(times):.1f} ms; "
           f"floor {floor:.1f} ms at {rate:.0f} GFLOP/s")  # fmt: skip
+    print(f"first step {first:.1f} ms; steps " + " ".join(f"{t:.1f}" for t in times))
+    print(faulted)
     print("profiled (self CPU time per prefill, the profiler adds its own): " + ", ".join(
         f"{name} {ms:.1f} ms" for name, ms in groups.items()
     ))  # fmt: skip
@@ -98,6 +139,23 @@ def main() -> None:
     for event in events[: args.top]:
         calls, ms = event.count / args.repeats, event.self_cpu_time_total / 1e3 / args.repeats
         print(f"    {event.key:<48} {calls:8.1f} calls {ms:9.2f} ms")
+
+
+def ab_norm(worker: Worker, batch: list[list[int]], repeats: int) -> None:
+    """Steps with the C norms and with torch's, alternated (the order flipped every pair)."""
+    from trillm.gpu import _cpu_ops, _layers
+    from trillm.gpu.models import llama
+
+    sides: dict[str, list[float]] = {"C": [], "torch": []}
+    for r in range(repeats):
+        for side in ("C", "torch") if r % 2 == 0 else ("torch", "C"):
+            chosen = _cpu_ops.cpu_norms if side == "C" else (lambda x: None)
+            llama.cpu_norms = _layers.cpu_norms = chosen  # type: ignore[assignment]
+            sides[side].append(trillm_run(worker, batch, 1)[0] * 1e3)
+    c, t = statistics.median(sides["C"]), statistics.median(sides["torch"])
+    print(f"{repeats} pairs: C norms median {c:.1f} ms, torch norms {t:.1f} ms, C / torch "
+          f"{c / t:.3f}; C " + " ".join(f"{x:.0f}" for x in sides["C"])
+          + "; torch " + " ".join(f"{x:.0f}" for x in sides["torch"]))  # fmt: skip
 
 
 if __name__ == "__main__":
