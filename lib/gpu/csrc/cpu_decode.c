@@ -305,7 +305,7 @@ void trillm_attention(const struct tl_model *md, const struct tl_layer *layer, v
     struct tl_task *blocks = NULL;
     float *block_work = NULL;
     int num_blocks = 0;
-    if (prompts && D % 16 == 0) { /* without memory, the token-by-token path below */
+    if (prompts && rows && D % 16 == 0) { /* without memory, the token-by-token path below */
         blocks = malloc(sizeof *blocks * (size_t)M * md->num_kv_heads);
         block_work = aligned_alloc(64, sizeof(float) * (size_t)(threads * block_floats + 16));
         if (blocks && block_work)
