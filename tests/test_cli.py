@@ -67,9 +67,11 @@ def test_bench_serve_is_reachable_from_the_cli() -> None:
 def test_a_flag_sets_the_field_that_declares_it() -> None:
     flags = """--max-num-seqs 7 --kv-cache-memory-bytes 9 -tp 2 --engine-watchdog-timeout 8
         --stream-interval 0 --request-body-timeout 0 --shutdown-timeout 3
-        --reasoning-parser qwen3 --port 9 --no-engine-restart --max-api-restarts 0"""
+        --reasoning-parser qwen3 --port 9 --no-engine-restart --max-api-restarts 0
+        --async-scheduling"""
     args = build_parser().parse_args(["serve", "m", *flags.split()])
     command, config = serve_config(args)
+    assert config.llm.engine.async_scheduling  # off unless given (the defaults' test)
     worker = config.llm.engine.worker
     assert (worker.model, worker.max_num_seqs, worker.kv_cache_bytes) == ("m", 7, 9)
     assert config.llm.engine.tensor_parallel_size == 2
