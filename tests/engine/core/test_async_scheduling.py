@@ -118,3 +118,20 @@ def test_pause_and_sleep_mid_flight_answer_after_the_step_in_flight(client_for: 
     client.add(3, PROMPTS[1], 30, options_of(1))
     client.run_until(lambda: 3 in client.finish)
     assert client.tokens[3] == reference.tokens[1]
+
+
+@pytest.mark.timeout(300)
+def test_tp2_runs_steps_ahead_synchronously_with_the_same_tokens(client_for: object) -> None:
+    """The multiprocess executor runs each step at once (no overlap), which is correct for
+    steps scheduled ahead: the engine still applies each output one step late."""
+    sync: EngineClient = client_for(tensor_parallel_size=2, max_num_seqs=4)  # type: ignore[operator]
+    run_batch(sync, {}, ())
+    stops = stop_tokens(sync)
+    reference: EngineClient = client_for(tensor_parallel_size=2, max_num_seqs=4)  # type: ignore[operator]
+    run_batch(reference, stops, ())
+    ahead: EngineClient = client_for(  # type: ignore[operator]
+        tensor_parallel_size=2, max_num_seqs=4, async_scheduling=True
+    )
+    run_batch(ahead, stops, ())
+    assert dict(ahead.tokens) == dict(reference.tokens)
+    assert ahead.finish == reference.finish
