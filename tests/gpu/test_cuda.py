@@ -24,6 +24,7 @@ import transformers
 
 from trillm.gpu import (
     ModelRunner,
+    NewRequest,
     SamplingOptions,
     StepBatch,
     TensorParallel,
@@ -280,3 +281,62 @@ def test_cuda_graph_replay_gives_the_eager_tokens(
     replays = runner.graphs.num_runs
     assert replays >= 15, f"{replays} graph replays in 15 pure decode steps"
     compare_runs(eager, replayed, tie=tie, tol=tol)
+
+
+def ahead_steps(prompts: list[list[int]], decodes: int) -> list[StepBatch]:
+    """The prompts in one step, then `decodes` steps of one token each, every request with
+    the blocks it needs from the start: valid both synchronously and scheduled ahead (a
+    decode's computed count is the same whether the last token is known or a placeholder).
+    Seeded sampling: a tiny random model's greedy text repeats one token, which a wrong
+    input id would not change; the draws of a wrong id's logits would."""
+    blocks_each = (max(map(len, prompts)) + decodes) // 16 + 1
+    new = [
+        NewRequest(
+            i + 1,
+            p,
+            list(range(i * blocks_each, (i + 1) * blocks_each)),
+            0,
+            SamplingOptions(temperature=1.0, seed=i, ignore_eos=True),
+        )
+        for i, p in enumerate(prompts)
+    ]
+    rnums = np.arange(1, len(prompts) + 1, dtype=np.uint64)
+    first = StepBatch(0, new_requests=new)
+    first.scheduled_rnums = rnums
+    first.num_scheduled_tokens = np.array([len(p) for p in prompts], np.int32)
+    batches = [first]
+    for k in range(1, decodes + 1):
+        step = StepBatch(k)
+        step.cached_rnums = rnums
+        step.cached_new_block_ids = [[] for _ in prompts]
+        step.cached_num_computed = np.array([len(p) + k - 1 for p in prompts], np.int32)
+        step.scheduled_rnums = rnums
+        step.num_scheduled_tokens = np.ones(len(prompts), np.int32)
+        batches.append(step)
+    return batches
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_steps_ahead_on_cuda_give_the_synchronous_tokens(
+    head_dim_64_dir: Path, graphs: bool
+) -> None:
+    """`execute_ahead` on CUDA (async scheduling): each decode's input id is copied on the
+    device from the step in flight's sampled tokens (into the graph's static ids when
+    replayed), its output read later through pinned memory and an event; the tokens equal
+    the synchronous runner's, step for step."""
+    prompts = [list(range(60 + 50 * i, 70 + 37 * i)) for i in range(3)]
+    sync = cuda_runner(head_dim_64_dir, "float32", graphs=graphs)
+    expected = [sync.execute(b).token_ids.tolist() for b in ahead_steps(prompts, 12)]
+    runner = cuda_runner(head_dim_64_dir, "float32", graphs=graphs)
+    pending = None
+    got = []
+    for batch in ahead_steps(prompts, 12):
+        ahead = runner.execute_ahead(batch)  # runs before the last step's tokens are read
+        if pending is not None:
+            got.append(pending.result().token_ids.tolist())
+        pending = ahead
+    assert pending is not None
+    got.append(pending.result().token_ids.tolist())
+    assert got == expected
+    if graphs:
+        assert runner.graphs is not None and runner.graphs.num_runs >= 11
