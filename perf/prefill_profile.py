@@ -153,8 +153,10 @@ def ab_norm(worker: Worker, batch: list[list[int]], repeats: int) -> None:
             llama.cpu_norms = _layers.cpu_norms = chosen  # type: ignore[assignment]
             sides[side].append(trillm_run(worker, batch, 1)[0] * 1e3)
     c, t = statistics.median(sides["C"]), statistics.median(sides["torch"])
+    pairs = statistics.median(x / y for x, y in zip(sides["C"], sides["torch"], strict=True))
     print(f"{repeats} pairs: C norms median {c:.1f} ms, torch norms {t:.1f} ms, C / torch "
-          f"{c / t:.3f}; C " + " ".join(f"{x:.0f}" for x in sides["C"])
+          f"{c / t:.3f} (median of the pairs' ratios {pairs:.3f}); C "
+          + " ".join(f"{x:.0f}" for x in sides["C"])
           + "; torch " + " ".join(f"{x:.0f}" for x in sides["torch"]))  # fmt: skip
 
 
