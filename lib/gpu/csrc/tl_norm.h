@@ -1,10 +1,10 @@
 /* trillm C kernels: a row's RMSNorm, with the residual add before it, in one pass over the row.
  *
- * Why: the torch forward's float32 prefill spent ~130 ms of a 2.2 s 2048-token step of
- * SmolLM2 on the residual adds and norms, each a few separate passes over [T, hidden]
- * (add, pow, mean, rsqrt, mul, mul: `perf/prefill_profile.py --top`). Here a row is read once
- * from memory: the sum x + r is stored (the next residual) while its squares are summed, and
- * the normed row is written from the copy still in L1.
+ * Why: the torch forward's float32 prefill made each residual add and norm six separate
+ * passes over [T, hidden] (add, pow, mean, rsqrt, mul, mul: `perf/prefill_profile.py --top`);
+ * 1.141 ms on SmolLM2's [2048, 576], 0.474 here (`perf/norm_bench.py`). Here a row is read
+ * once from memory: the sum x + r is stored (the next residual) while its squares are summed,
+ * and the normed row is written from the copy still in L1.
  *
  * Arithmetic, in Hugging Face's order: s = x + r (float32), inv = 1 / sqrt(sum(s^2) / H + eps),
  * out = scale * (s * inv), `scale` the norm's (offset + weight) (Gemma's 1 + w). Only the
