@@ -6,8 +6,8 @@ profiler's self time: oneDNN/MKL linears, attention (SDPA), everything else. The
 prompt's FLOPs over the machine's best fp32 matmul rate, as `compare.py` computes it.
 
     python perf/prefill_profile.py [--prompt-len 128] [--prompts 1] [--repeats 7] [--torch-silu]
-        [--torch-attention] [--torch-norm | --ab-norm] [--glibc-default-malloc] [--no-profile]
-        [--top N]
+        [--torch-attention] [--torch-norm | --ab-norm | --ab-elementwise] [--dtype bfloat16]
+        [--glibc-default-malloc] [--no-profile] [--top N]
 
 `--prompts N` prefills N prompts in one step (16 x 128 is a full 2048-token step);
 `--torch-silu` runs torch's SiLU(gate) * up instead of the C one-pass kernel
@@ -15,7 +15,9 @@ prompt's FLOPs over the machine's best fp32 matmul rate, as `compare.py` compute
 SDPA per prompt instead of the C attention (`trillm_attention`, a ctypes call the profiler
 does not see: its time is in no group). `--torch-norm` runs torch's residual adds and
 RMSNorms instead of the C one-pass ones (`_cpu_ops.CpuNorms`), and `--ab-norm` alternates the
-two step by step in this process and prints both medians and their ratio;
+two step by step in this process and prints both medians and their ratio (`--ab-elementwise`:
+the norms and SiLU * up together, the C pair against torch's ops; with `--dtype bfloat16` the
+bfloat16 kernels);
 `--glibc-default-malloc` leaves glibc's mmap and trim thresholds as they are (the worker
 raises them: `_worker.keep_activations_in_heap`). `--top N` lists the N torch ops of most self
 time; `--no-profile` times the steps only. Besides the median it prints the first step (the
@@ -58,6 +60,11 @@ def main() -> None:
         "--ab-norm", action="store_true",
         help="alternate C and torch norms run by run; print both medians and the ratio",
     )  # fmt: skip
+    p.add_argument(
+        "--ab-elementwise", action="store_true",
+        help="alternate C and torch norms *and* SiLU * up run by run (bfloat16 too)",
+    )  # fmt: skip
+    p.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     p.add_argument("--glibc-default-malloc", action="store_true", help="leave malloc's thresholds")
     p.add_argument("--no-profile", action="store_true", help="time the steps only")
     p.add_argument("--top", type=int, default=0, help="also print the N ops of most self time")
@@ -86,7 +93,7 @@ def main() -> None:
         WorkerConfig(
             str(model),
             device="cpu",
-            dtype="float32",
+            dtype=args.dtype,
             max_num_seqs=max(8, args.prompts),
             enforce_eager=args.torch_attention,
         )
@@ -99,8 +106,8 @@ def main() -> None:
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     first = trillm_run(worker, batch, 1)[0] * 1e3  # warm-up
     first_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-    if args.ab_norm:
-        ab_norm(worker, batch, args.repeats)
+    if args.ab_norm or args.ab_elementwise:
+        ab_norm(worker, batch, args.repeats, silu=args.ab_elementwise)
         return
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     times = [trillm_run(worker, batch, 1)[0] * 1e3 for _ in range(args.repeats)]
@@ -141,16 +148,26 @@ def main() -> None:
         print(f"    {event.key:<48} {calls:8.1f} calls {ms:9.2f} ms")
 
 
-def ab_norm(worker: Worker, batch: list[list[int]], repeats: int) -> None:
-    """Steps with the C norms and with torch's, alternated (the order flipped every pair)."""
+def ab_norm(worker: Worker, batch: list[list[int]], repeats: int, *, silu: bool = False) -> None:
+    """Steps with the C norms and with torch's, alternated (the order flipped every pair);
+    with `silu`, the C SiLU * up against torch's two ops as well."""
+    import torch.nn.functional as F
+
     from trillm.gpu import _cpu_ops, _layers
     from trillm.gpu.models import llama
 
+    def torch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    c_silu = _cpu_ops.silu_mul
     sides: dict[str, list[float]] = {"C": [], "torch": []}
     for r in range(repeats):
         for side in ("C", "torch") if r % 2 == 0 else ("torch", "C"):
             chosen = _cpu_ops.cpu_norms if side == "C" else (lambda x: None)
             llama.cpu_norms = _layers.cpu_norms = chosen  # type: ignore[assignment]
+            if silu:
+                _cpu_ops.silu_mul = c_silu if side == "C" else torch_silu_mul
             sides[side].append(trillm_run(worker, batch, 1)[0] * 1e3)
     c, t = statistics.median(sides["C"]), statistics.median(sides["torch"])
     pairs = statistics.median(x / y for x, y in zip(sides["C"], sides["torch"], strict=True))

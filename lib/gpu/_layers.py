@@ -116,10 +116,10 @@ class RMSNorm(nn.Module):
             return (normed * self.scale()).to(x.dtype)
         if self.fused is not None:  # the same rounding order, in one launch
             return self.fused.rms_norm(x, self.weight, self.eps, self.offset)
-        if x.dtype == torch.float32:  # one pass (C on the CPU, else torch's), the same arithmetic
-            norms = cpu_norms(x) if x.is_contiguous() else None  # not per-head q/k views
-            if norms is not None:
-                return norms.rms_norm(x, self.weight, self.eps, self.offset)
+        norms = cpu_norms(x) if x.is_contiguous() else None  # not per-head q/k views
+        if norms is not None:  # one C pass on the CPU (float32, bfloat16), the same rounding
+            return norms.rms_norm(x, self.weight, self.eps, self.offset)
+        if x.dtype == torch.float32:  # one fused kernel, the same arithmetic
             weight = self.weight if not self.offset else self.weight + self.offset
             return F.rms_norm(x, self.weight.shape, weight, self.eps)
         dtype = x.dtype

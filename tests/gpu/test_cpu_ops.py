@@ -56,9 +56,67 @@ def test_rows_keep_their_shape_and_none_is_none() -> None:
     assert empty.shape == (0, 32)
 
 
-def test_only_float32_on_the_cpu_takes_the_c_norms() -> None:
-    assert cpu_norms(torch.zeros(2, dtype=torch.bfloat16)) is None
+def test_float32_and_bfloat16_on_the_cpu_take_the_c_norms() -> None:
     assert cpu_norms(torch.zeros(2, dtype=torch.float16)) is None
+    if cpu_norms(torch.zeros(2)) is not None:
+        assert cpu_norms(torch.zeros(2, dtype=torch.bfloat16)) is not None
+
+
+def _reference_bf16(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, offset: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's bfloat16 decoder step, op by op: the residual added in bfloat16, the
+    norm in float32, cast back before Llama's weight (Gemma's 1 + w multiplied in float32)."""
+    total = x if residual is None else residual + x
+    x32 = total.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (normed * (1.0 + weight.float())).to(torch.bfloat16), total
+    return weight * normed.to(torch.bfloat16), total
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bfloat16 steps apart a and b are, elementwise (same signs)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["llama", "gemma"])
+@pytest.mark.parametrize("hidden", [64, 72, 5], ids=["vectors", "tail", "short"])
+@pytest.mark.parametrize("rows", [37, 1100])
+def test_bfloat16_norms_round_as_torch_does(offset: float, hidden: int, rows: int) -> None:
+    """The residual is torch's bfloat16 sum exactly; the normed rows equal torch's op-by-op
+    bfloat16 result but where the float32 sum of squares, summed in another order, tips a
+    rounding: at most one bfloat16 step, in a small fraction of the elements."""
+    torch.manual_seed(2)
+    x = (torch.randn(rows, hidden) * 3).bfloat16()
+    residual = torch.randn(rows, hidden).bfloat16()
+    weight = torch.randn(hidden).bfloat16()
+    out, total = _norms().add_rms_norm(x, residual, weight, 1e-6, offset)
+    want, want_total = _reference_bf16(x, residual, weight, 1e-6, offset)
+    assert out.dtype == total.dtype == torch.bfloat16
+    assert torch.equal(total, want_total)
+    apart = _ulps_apart(out, want)
+    assert int(apart.max()) <= 1 and float((apart > 0).float().mean()) < 0.01
+    plain = _norms().rms_norm(x, weight, 1e-6, offset)
+    apart = _ulps_apart(plain, _reference_bf16(x, None, weight, 1e-6, offset)[0])
+    assert int(apart.max()) <= 1 and float((apart > 0).float().mean()) < 0.01
+
+
+@pytest.mark.parametrize("width", [2 * 64, 2 * 40], ids=["vectors", "tail"])
+def test_bfloat16_silu_mul_rounds_as_torch_does(width: int) -> None:
+    """SiLU(gate) rounded to bfloat16, then the product rounded: torch's two ops, up to one
+    bfloat16 step where C's exp and torch's differ in the last float32 bits."""
+    from trillm.gpu._cpu_ops import silu_mul
+
+    _norms()
+    torch.manual_seed(3)
+    gate_up = (torch.randn(300, width) * 4).bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = silu_mul(gate_up)
+    assert got.dtype == torch.bfloat16
+    apart = _ulps_apart(got, want)
+    assert int(apart.max()) <= 1 and float((apart > 0).float().mean()) < 0.01
 
 
 @pytest.mark.parametrize("offset", [0.0, 1.0], ids=["llama", "gemma"])

@@ -372,3 +372,44 @@ void trillm_add_rms_norm(const float *x, const float *residual, const float *sca
         add_rms_norm_row(x + t * H, residual ? residual + t * H : NULL, scale, H, eps, out + t * H,
                          residual ? residual_out + t * H : NULL);
 }
+
+/* `trillm_add_rms_norm` over bfloat16 rows, in Hugging Face's rounding
+ * (`add_rms_norm_row_bf16`): the bfloat16 torch forward's residual adds and norms, which torch
+ * ran as seven passes with float32 temporaries. */
+void trillm_add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const float *scale,
+                              int64_t T, int H, float eps, int cast_first, uint16_t *out,
+                              uint16_t *residual_out, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        float *tmp = malloc(sizeof(float) * (size_t)H);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            if (!tmp) continue; /* never: H floats; the caller checks the rows it got */
+            add_rms_norm_row_bf16(x + t * H, residual ? residual + t * H : NULL, scale, H, eps,
+                                  cast_first, out + t * H, residual ? residual_out + t * H : NULL,
+                                  tmp);
+        }
+        free(tmp);
+    }
+}
+
+/* out[T, I] = bf16(bf16(SiLU(gate)) * up) over bfloat16 [T, 2I] in [gate | up] order: torch's
+ * two rounded ops (F.silu, then the product) in one pass. */
+void trillm_silu_mul_bf16(const uint16_t *x, int64_t T, int I, uint16_t *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *g = x + t * 2 * I, *u = g + I;
+        uint16_t *o = out + t * I;
+        int j = 0;
+        for (; j + 16 <= I; j += 16) {
+            f32x16 gv = load_bf16(g + j);
+            store_bf16(o + j, gv / (exp16(-gv) + 1.0f));
+            store_bf16(o + j, load_bf16(o + j) * load_bf16(u + j));
+        }
+        for (; j < I; j++) {
+            float gv = bf16_to_f32(g[j]);
+            float a = bf16_to_f32(f32_to_bf16(gv / (1.0f + expf(-gv))));
+            o[j] = f32_to_bf16(a * bf16_to_f32(u[j]));
+        }
+    }
+}

@@ -46,4 +46,61 @@ static void add_rms_norm_row(const float *x, const float *r, const float *scale,
     for (; i < H; i++) out[i] = scale[i] * (s[i] * inv);
 }
 
+/* 16 floats to bfloat16, rounded to nearest even as torch does (NaN kept a quiet NaN). */
+static inline void store_bf16(uint16_t *p, f32x16 v) {
+    u32x16 u;
+    memcpy(&u, &v, sizeof u);
+    u32x16 r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    u32x16 nan = (u32x16)((u & 0x7fffffffu) > 0x7f800000u);
+    r = (r & ~nan) | (((u >> 16) | 0x40u) & nan);
+    u16x16 h = __builtin_convertvector(r, u16x16);
+    memcpy(p, &h, sizeof h);
+}
+
+/* A bfloat16 row in Hugging Face's rounding: s = bf16(x + r) (stored as the next residual),
+ * inv = 1 / sqrt(sum(s^2) / H + eps) in float32; `cast_first` (Llama's order, offset 0):
+ * out = bf16(scale * bf16(s * inv)), else (Gemma's 1 + w): out = bf16((s * inv) * scale).
+ * With r NULL, s = x and sum_out is not written. `scale` [H] float32, `tmp` [H] floats. */
+static void add_rms_norm_row_bf16(const uint16_t *x, const uint16_t *r, const float *scale, int H,
+                                  float eps, int cast_first, uint16_t *out, uint16_t *sum_out,
+                                  float *tmp) {
+    f32x16 acc = {0};
+    float squares = 0.0f;
+    int i = 0;
+    for (; i + 16 <= H; i += 16) {
+        f32x16 v = load_bf16(x + i);
+        if (r) {
+            store_bf16(sum_out + i, v + load_bf16(r + i));
+            v = load_bf16(sum_out + i); /* the residual as stored: rounded to bfloat16 */
+        }
+        memcpy(tmp + i, &v, sizeof v);
+        acc += v * v;
+    }
+    squares = hsum(acc);
+    for (; i < H; i++) {
+        float v = bf16_to_f32(x[i]);
+        if (r) {
+            sum_out[i] = f32_to_bf16(v + bf16_to_f32(r[i]));
+            v = bf16_to_f32(sum_out[i]);
+        }
+        tmp[i] = v;
+        squares += v * v;
+    }
+    const float inv = 1.0f / sqrtf(squares / (float)H + eps);
+    i = 0;
+    for (; i + 16 <= H; i += 16) {
+        f32x16 n = load_f32(tmp + i) * inv;
+        if (cast_first) {
+            store_bf16(out + i, n);
+            n = load_bf16(out + i);
+        }
+        store_bf16(out + i, load_f32(scale + i) * n);
+    }
+    for (; i < H; i++) {
+        float n = tmp[i] * inv;
+        if (cast_first) n = bf16_to_f32(f32_to_bf16(n));
+        out[i] = f32_to_bf16(scale[i] * n);
+    }
+}
+
 #endif
