@@ -153,6 +153,10 @@ def split_main(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "--no-huge-pages", action="store_true",
+        help="tiled weights and KV cache on plain pages (`_hugepages`), to measure them",
+    )  # fmt: skip
     p.add_argument("--model", help="default: the built-in SmolLM2 (its float32 conversion)")
     p.add_argument("--quantization", default="auto")
     p.add_argument("--cpu-linear", default="auto", help="auto, onednn or aten (MKL)")
@@ -168,6 +172,10 @@ def main() -> None:
         "--c-step-max", type=int, help="--split: the C step's max_batch lowered to this"
     )  # fmt: skip
     args = p.parse_args()
+    if args.no_huge_pages:
+        from trillm.gpu import _hugepages
+
+        _hugepages.ENABLED = False
     if args.split:
         split_main(args)
         return

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._hugepages import huge_zeros
 from ._layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
 from ._lora_slots import LoraLinear
 from ._moe import FusedMoE
@@ -395,7 +396,7 @@ def _kept(weight: object) -> Tiles:
 def _stacked(weights: torch.Tensor, *, interleaved: bool) -> Tiles:
     """[E, N, K] experts -> one tiled tensor [E, tiles of one expert...], filled in place."""
     first = dense_tiles(weights[0])
-    data = torch.empty((weights.shape[0], *first.data.shape), dtype=first.data.dtype)
+    data = huge_zeros((weights.shape[0], *first.data.shape), first.data.dtype)
     for e in range(weights.shape[0]):
         tiles = first if e == 0 else dense_tiles(weights[e])
         data[e] = (tiles.interleaved() if interleaved else tiles).data

@@ -40,6 +40,7 @@ from ._cuda_graphs import DecodeGraphs
 from ._draft_model import DraftModel
 from ._forward import FaultHook, Path, choose_path, expand_verify_rows
 from ._grammar_mask import apply_grammar_bitmask, step_bitmask
+from ._hugepages import huge_zeros
 from ._input_batch import InputBatch, StepInputs
 from ._kernels import choose_kernels, fused_kernels_for
 from ._lora import LoraManager
@@ -190,15 +191,23 @@ class ModelRunner:
         shape = (num_blocks, self.block_size, heads, cfg.head_dim)
         if self.attention is None:
             self.attention = self._attention_backend(heads)
-        self.bind_kv_cache(
-            [
-                (
-                    torch.zeros(shape, dtype=self.dtype, device=self.device),
-                    torch.zeros(shape, dtype=self.dtype, device=self.device),
-                )
-                for _ in range(cfg.num_layers)
-            ]
-        )
+        if self.device.type == "cpu":  # the C step streams it: on huge pages (`_hugepages`)
+            self.bind_kv_cache(
+                [
+                    (huge_zeros(shape, self.dtype), huge_zeros(shape, self.dtype))
+                    for _ in range(cfg.num_layers)
+                ]
+            )
+        else:
+            self.bind_kv_cache(
+                [
+                    (
+                        torch.zeros(shape, dtype=self.dtype, device=self.device),
+                        torch.zeros(shape, dtype=self.dtype, device=self.device),
+                    )
+                    for _ in range(cfg.num_layers)
+                ]
+            )
         if self.drafter is not None:
             self.drafter.init_kv_cache(num_blocks)
 

@@ -32,6 +32,7 @@ import torch
 
 from . import _native
 from ._gguf_blocks import Q4_0, Q4_1, Q8_0, QuantizedTensor
+from ._hugepages import on_huge_pages
 
 F32, BF16, Q4, Q8 = 0, 1, 2, 3  # the C code's weight types (TL_F32, ...)
 DENSE = {torch.float32: F32, torch.bfloat16: BF16}
@@ -74,12 +75,12 @@ class Tiles:
         """Gate/up: tile j of the first half next to tile j of the second (2j, 2j + 1)."""
         n = self.data.shape[0]
         pairs = self.data.view(2, n // 2, -1).transpose(0, 1)
-        return Tiles(pairs.reshape(n, -1).contiguous(), self.kind)
+        return Tiles(on_huge_pages(pairs.reshape(n, -1).contiguous()), self.kind)
 
 
 def dense_tiles(weight: torch.Tensor) -> Tiles:
     """A float32 or bfloat16 [N, K] weight as tiles of its dtype."""
-    return Tiles(tile(weight).flatten(1), DENSE[weight.dtype])
+    return Tiles(on_huge_pages(tile(weight).flatten(1)), DENSE[weight.dtype])
 
 
 def quantized_tiles(parts: list[QuantizedTensor], rows: int | None = None) -> Tiles:
@@ -89,12 +90,13 @@ def quantized_tiles(parts: list[QuantizedTensor], rows: int | None = None) -> Ti
     if kinds <= {Q4_0, Q4_1}:
         fields = [_q4_fields(part) for part in parts]
         d, m, nib = (torch.cat([f[i] for f in fields]) for i in range(3))
-        return Tiles(_group_tiles(d, [m], nib, kk=16, rows=rows), Q4)
+        return Tiles(on_huge_pages(_group_tiles(d, [m], nib, kk=16, rows=rows)), Q4)
     if kinds == {Q8_0}:
         blocks = torch.cat([part.blocks for part in parts])
-        return Tiles(_group_tiles(_f16_bits(blocks), [], blocks[:, :, 2:], kk=32, rows=rows), Q8)
+        tiles = _group_tiles(_f16_bits(blocks), [], blocks[:, :, 2:], kk=32, rows=rows)
+        return Tiles(on_huge_pages(tiles), Q8)
     dense = torch.cat([part.dequantize() for part in parts])
-    return Tiles(tile(dense, rows).flatten(1), F32)
+    return Tiles(on_huge_pages(tile(dense, rows).flatten(1)), F32)
 
 
 def _f16_bits(blocks: torch.Tensor) -> torch.Tensor:
