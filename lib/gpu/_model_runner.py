@@ -192,12 +192,14 @@ class ModelRunner:
         if self.attention is None:
             self.attention = self._attention_backend(heads)
         if self.device.type == "cpu":  # the C step streams it: on huge pages (`_hugepages`)
-            self.bind_kv_cache(
-                [
-                    (huge_zeros(shape, self.dtype), huge_zeros(shape, self.dtype))
-                    for _ in range(cfg.num_layers)
-                ]
-            )
+            caches = [
+                (huge_zeros(shape, self.dtype), huge_zeros(shape, self.dtype))
+                for _ in range(cfg.num_layers)
+            ]
+            for k, v in caches:  # its pages held from now, as torch.zeros held them: the
+                k.zero_()  # budget is taken at start-up (and given back by sleep), and no
+                v.zero_()  # step faults them in
+            self.bind_kv_cache(caches)
         else:
             self.bind_kv_cache(
                 [
