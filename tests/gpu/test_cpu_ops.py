@@ -178,18 +178,25 @@ def _step(model_dir: Path) -> torch.Tensor:
 LEVEL_CHILD = """
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-from tests.gpu.test_cpu_ops import test_add_rms_norm_is_the_sum_and_its_norm as check
+from tests.gpu import test_cpu_ops as t
 for offset in (0.0, 1.0):
     for hidden in (64, 72, 5):
         for rows in (37, 1100):
-            check(offset, hidden, rows)
+            t.test_add_rms_norm_is_the_sum_and_its_norm(offset, hidden, rows)
+            t.test_bfloat16_norms_round_as_torch_does(offset, hidden, rows)
+for width in (2 * 64, 2 * 40):
+    t.test_bfloat16_silu_mul_rounds_as_torch_does(width)
 print("ok")
 """
 
 
-@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"], ids=["avx2", "sse2"])
+@pytest.mark.parametrize(
+    "march", ["icelake-server", "x86-64-v3", "x86-64"], ids=["avx512-without-bf16", "avx2", "sse2"]
+)
 @pytest.mark.slow
-def test_the_avx2_and_sse2_builds_norm_the_same(march: str, tmp_path: Path) -> None:
+def test_the_builds_without_avx512_bf16_norm_the_same(march: str, tmp_path: Path) -> None:
+    """Without AVX512_BF16 the bfloat16 kernels round in integer lanes (`tl_norm.h`
+    `to_bf16x16`), not with `vcvtneps2bf16`: the same results."""
     if os.uname().machine != "x86_64":
         pytest.skip("x86-64 levels")
     env = {**os.environ, "TRILLM_CPU_MARCH": march, "TRILLM_CACHE_DIR": str(tmp_path)}

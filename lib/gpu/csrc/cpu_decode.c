@@ -400,8 +400,7 @@ void trillm_silu_mul_bf16(const uint16_t *x, int64_t T, int I, uint16_t *out, in
         int j = 0;
         for (; j + 16 <= I; j += 16) {
             f32x16 gv = load_bf16(g + j);
-            store_bf16(o + j, gv / (exp16(-gv) + 1.0f));
-            store_bf16(o + j, load_bf16(o + j) * load_bf16(u + j));
+            store_bf16(o + j, round_bf16(gv / (exp16(-gv) + 1.0f)) * load_bf16(u + j));
         }
         for (; j < I; j++) {
             float gv = bf16_to_f32(g[j]);
