@@ -59,6 +59,14 @@ async def llm(tiny_dir: Path, in_process: bool) -> AsyncIterator[AsyncLLM]:
         yield llm
 
 
+# A split engine is a process start per test (about 10 s on the loaded 2-core machine); the
+# in-process engine runs the same client, rings and engine core. Tests about what a request
+# gets (not about a process) run split in `make test-slow` only; the split runs that stay in
+# `make test` (streaming, cancellation, the limit refusal, deaths, start failures) keep the
+# process path covered.
+SPLIT_SLOW = [pytest.param("split", marks=pytest.mark.slow), "in_process"]
+
+
 def split_only(in_process: bool, why: str) -> None:
     if in_process:
         pytest.skip(f"about the engine process: {why}")
@@ -76,6 +84,7 @@ async def test_streaming_equals_non_streaming(llm: AsyncLLM) -> None:
     assert whole.text == llm.tokenizer.decode(whole.token_ids, skip_special_tokens=True)
 
 
+@pytest.mark.parametrize("in_process", SPLIT_SLOW, indirect=True)
 async def test_n_4_gives_four_tagged_completions(llm: AsyncLLM) -> None:
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
     outputs = await llm.complete("Once upon a time", params)
@@ -86,6 +95,7 @@ async def test_n_4_gives_four_tagged_completions(llm: AsyncLLM) -> None:
     assert [o.token_ids for o in again] == [o.token_ids for o in outputs]
 
 
+@pytest.mark.parametrize("in_process", SPLIT_SLOW, indirect=True)
 async def test_logprobs_come_with_every_token(llm: AsyncLLM) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, ignore_eos=True)
     output = (await llm.complete("Hello", params))[0]
@@ -95,6 +105,7 @@ async def test_logprobs_come_with_every_token(llm: AsyncLLM) -> None:
         assert len(lp.top) == 3 and lp.top[0][0] == token  # greedy: the best is the sampled
 
 
+@pytest.mark.parametrize("in_process", SPLIT_SLOW, indirect=True)
 async def test_stop_string_across_token_boundaries_is_excluded(llm: AsyncLLM) -> None:
     full = (await llm.complete("In the beginning", GREEDY)).pop()
     text = full.text
@@ -114,6 +125,7 @@ async def test_stop_string_across_token_boundaries_is_excluded(llm: AsyncLLM) ->
     assert (await llm.complete("In the beginning", kept))[0].text == text[: text.index(stop)] + stop
 
 
+@pytest.mark.parametrize("in_process", SPLIT_SLOW, indirect=True)
 async def test_a_stop_token_is_the_stop_reason_and_eos_is_none(llm: AsyncLLM) -> None:
     """vLLM's stop_reason: the id from stop_token_ids that ended the output; None for EOS."""
     full = (await llm.complete("In the beginning", GREEDY)).pop()
@@ -130,6 +142,7 @@ async def test_a_stop_token_is_the_stop_reason_and_eos_is_none(llm: AsyncLLM) ->
     assert (ended.finish_reason, ended.stop_reason) == ("stop", None)
 
 
+@pytest.mark.parametrize("in_process", SPLIT_SLOW, indirect=True)
 async def test_a_slow_consumer_receives_every_token(llm: AsyncLLM) -> None:
     """A consumer that reads nothing while the engine finishes gets the rest in one merged
     output: causality, not timing (the other request cannot finish before this one)."""
@@ -235,6 +248,7 @@ async def test_prompt_plus_max_tokens_over_the_limit_is_refused_quoting_both(llm
             pass
 
 
+@pytest.mark.parametrize("in_process", SPLIT_SLOW, indirect=True)
 async def test_prompt_logprobs_cover_every_prompt_token(llm: AsyncLLM) -> None:
     prompt = [20 + i for i in range(9)]
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2, ignore_eos=True)

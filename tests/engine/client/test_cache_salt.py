@@ -30,7 +30,8 @@ async def test_same_salt_hits_another_salt_misses_no_salt_is_its_own_tenant(
     def params(salt: str | None) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, cache_salt=salt)
 
-    async with open_llm(llm_config(save_tiny(tmp_path, "llama"))) as llm:
+    # In process: the prefix cache is the engine core's, the same on a thread (no process start).
+    async with open_llm(llm_config(save_tiny(tmp_path, "llama"), in_process=True)) as llm:
         with trio.fail_after(120):
             outputs, counts = [], []
             for salt in ("a", "a", "b", None, None, "b"):

@@ -242,6 +242,7 @@ async def test_tensor_parallel_2_equals_1(
     assert got == {job: expected[job] for job in [*jobs, ("b", 0)]}
 
 
+@pytest.mark.slow  # the tiny model's tests above take the same path against peft, faster
 async def test_the_default_model_with_an_adapter_equals_peft(tmp_path: Path) -> None:
     from trillm.default_model import default_model_dir
 

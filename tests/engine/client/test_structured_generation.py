@@ -88,11 +88,19 @@ async def llm(tiny_dir: Path, request: pytest.FixtureRequest) -> AsyncIterator[A
         yield llm
 
 
+# A split engine is a process start per test; the in-process engine runs the same client,
+# rings, checker and engine core. The longest generations run split in `make test-slow` only;
+# split in `make test` stay the cut by max_tokens, the refused schema, the preemption and the
+# engine's compile timeout (and tests/http/test_structured_http.py through a served engine).
+SPLIT_SLOW = [pytest.param("split", marks=pytest.mark.slow), "in_process"]
+
+
 def params(constraint: StructuredOutputs, **kw: object) -> SamplingParams:
     kw.setdefault("max_tokens", 400)
     return SamplingParams(structured_outputs=constraint, **kw)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("llm", SPLIT_SLOW, indirect=True)
 async def test_json_schema_outputs_validate_streamed_and_not(llm: AsyncLLM) -> None:
     constraint = StructuredOutputs(json=PERSON)
     for seed in range(3):
@@ -108,6 +116,7 @@ async def test_json_schema_outputs_validate_streamed_and_not(llm: AsyncLLM) -> N
     jsonschema.validate(json.loads(text), PERSON)
 
 
+@pytest.mark.parametrize("llm", SPLIT_SLOW, indirect=True)
 async def test_n_children_with_seeds_logprobs_and_penalties_follow_the_grammar(
     llm: AsyncLLM,
 ) -> None:
@@ -128,6 +137,7 @@ async def test_n_children_with_seeds_logprobs_and_penalties_follow_the_grammar(
         assert output.logprobs is not None and len(output.logprobs) == len(output.token_ids)
 
 
+@pytest.mark.parametrize("llm", SPLIT_SLOW, indirect=True)
 async def test_regex_choice_grammar_and_json_object(llm: AsyncLLM) -> None:
     (phone,) = await llm.complete("Call", params(StructuredOutputs(regex=r"\d{3}-\d{4}")))
     assert re.fullmatch(r"\d{3}-\d{4}", phone.text) and phone.finish_reason == "stop"
@@ -150,6 +160,7 @@ async def test_max_tokens_cuts_a_grammar_with_length(llm: AsyncLLM) -> None:
     assert out.finish_reason == "length" and re.fullmatch(r"[0-9]+", out.text)
 
 
+@pytest.mark.parametrize("llm", SPLIT_SLOW, indirect=True)
 async def test_structured_and_free_requests_share_batches(llm: AsyncLLM) -> None:
     free = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0)
     results: dict[str, object] = {}
