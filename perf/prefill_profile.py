@@ -6,8 +6,9 @@ profiler's self time: oneDNN/MKL linears, attention (SDPA), everything else. The
 prompt's FLOPs over the machine's best fp32 matmul rate, as `compare.py` computes it.
 
     python perf/prefill_profile.py [--prompt-len 128] [--prompts 1] [--repeats 7] [--torch-silu]
-        [--torch-attention] [--torch-norm | --ab-norm | --ab-elementwise] [--dtype bfloat16]
-        [--glibc-default-malloc] [--no-profile] [--top N]
+        [--torch-attention] [--torch-norm | --ab-norm | --ab-elementwise | --ab-attention-io]
+        [--dtype bfloat16] [--threads N] [--cpu-time] [--glibc-default-malloc] [--no-profile]
+        [--top N]
 
 `--prompts N` prefills N prompts in one step (16 x 128 is a full 2048-token step);
 `--torch-silu` runs torch's SiLU(gate) * up instead of the C one-pass kernel
@@ -17,7 +18,10 @@ does not see: its time is in no group). `--torch-norm` runs torch's residual add
 RMSNorms instead of the C one-pass ones (`_cpu_ops.CpuNorms`), and `--ab-norm` alternates the
 two step by step in this process and prints both medians and their ratio (`--ab-elementwise`:
 the norms and SiLU * up together, the C pair against torch's ops; with `--dtype bfloat16` the
-bfloat16 kernels);
+bfloat16 kernels); `--ab-attention-io` alternates the C attention taking the bfloat16
+forward's qkv and giving its output as they are against converting them to float32 and back
+(`CAttention.native_bf16`). `--threads N` sets torch's threads; `--cpu-time` times the A/B
+steps by the process's CPU time (with one thread, a busy machine's other work then counts less);
 `--glibc-default-malloc` leaves glibc's mmap and trim thresholds as they are (the worker
 raises them: `_worker.keep_activations_in_heap`). `--top N` lists the N torch ops of most self
 time; `--no-profile` times the steps only. Besides the median it prints the first step (the
@@ -31,6 +35,8 @@ import argparse
 import json
 import resource
 import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,6 +46,7 @@ from torch.profiler import profile
 
 from trillm.default_model import default_model_dir
 from trillm.gpu import Worker, WorkerConfig
+from trillm.gpu._cpu_decode import CAttention
 
 LINEAR = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm")
 ATTENTION = ("attention", "sdpa")
@@ -64,11 +71,19 @@ def main() -> None:
         "--ab-elementwise", action="store_true",
         help="alternate C and torch norms *and* SiLU * up run by run (bfloat16 too)",
     )  # fmt: skip
+    p.add_argument(
+        "--ab-attention-io", action="store_true",
+        help="alternate bfloat16 qkv/output to the C attention as they are and converted",
+    )  # fmt: skip
     p.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    p.add_argument("--threads", type=int, default=0, help="torch's threads (0: as is)")
+    p.add_argument("--cpu-time", action="store_true", help="A/B steps by process CPU time")
     p.add_argument("--glibc-default-malloc", action="store_true", help="leave malloc's thresholds")
     p.add_argument("--no-profile", action="store_true", help="time the steps only")
     p.add_argument("--top", type=int, default=0, help="also print the N ops of most self time")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.torch_silu:
         import torch.nn.functional as F
 
@@ -106,8 +121,12 @@ def main() -> None:
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     first = trillm_run(worker, batch, 1)[0] * 1e3  # warm-up
     first_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    clock = time.process_time if args.cpu_time else time.perf_counter
     if args.ab_norm or args.ab_elementwise:
-        ab_norm(worker, batch, args.repeats, silu=args.ab_elementwise)
+        ab_norm(worker, batch, args.repeats, clock, silu=args.ab_elementwise)
+        return
+    if args.ab_attention_io:
+        ab_attention_io(worker, batch, args.repeats, clock)
         return
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     times = [trillm_run(worker, batch, 1)[0] * 1e3 for _ in range(args.repeats)]
@@ -148,7 +167,24 @@ def main() -> None:
         print(f"    {event.key:<48} {calls:8.1f} calls {ms:9.2f} ms")
 
 
-def ab_norm(worker: Worker, batch: list[list[int]], repeats: int, *, silu: bool = False) -> None:
+def step_ms(worker: Worker, batch: list[list[int]], clock: Callable[[], float]) -> float:
+    """One prefill step of `batch` in ms: the step's own wall time, or with another `clock`
+    the whole run's (the driver's few requests too)."""
+    if clock is time.perf_counter:
+        return trillm_run(worker, batch, 1)[0] * 1e3
+    t0 = clock()
+    trillm_run(worker, batch, 1)
+    return (clock() - t0) * 1e3
+
+
+def ab_norm(
+    worker: Worker,
+    batch: list[list[int]],
+    repeats: int,
+    clock: Callable[[], float],
+    *,
+    silu: bool = False,
+) -> None:
     """Steps with the C norms and with torch's, alternated (the order flipped every pair);
     with `silu`, the C SiLU * up against torch's two ops as well."""
     import torch.nn.functional as F
@@ -168,13 +204,36 @@ def ab_norm(worker: Worker, batch: list[list[int]], repeats: int, *, silu: bool 
             llama.cpu_norms = _layers.cpu_norms = chosen  # type: ignore[assignment]
             if silu:
                 _cpu_ops.silu_mul = c_silu if side == "C" else torch_silu_mul
-            sides[side].append(trillm_run(worker, batch, 1)[0] * 1e3)
+            sides[side].append(step_ms(worker, batch, clock))
     c, t = statistics.median(sides["C"]), statistics.median(sides["torch"])
     pairs = statistics.median(x / y for x, y in zip(sides["C"], sides["torch"], strict=True))
     print(f"{repeats} pairs: C norms median {c:.1f} ms, torch norms {t:.1f} ms, C / torch "
           f"{c / t:.3f} (median of the pairs' ratios {pairs:.3f}); C "
           + " ".join(f"{x:.0f}" for x in sides["C"])
           + "; torch " + " ".join(f"{x:.0f}" for x in sides["torch"]))  # fmt: skip
+
+
+def ab_attention_io(
+    worker: Worker, batch: list[list[int]], repeats: int, clock: Callable[[], float]
+) -> None:
+    """Steps whose C attention takes the bfloat16 qkv as it is and steps that convert it to
+    float32 and the output back, alternated (the order flipped every pair)."""
+    sides: dict[str, list[float]] = {"native": [], "converted": []}
+    try:
+        for r in range(repeats):
+            for side in ("native", "converted") if r % 2 == 0 else ("converted", "native"):
+                CAttention.native_bf16 = side == "native"
+                sides[side].append(step_ms(worker, batch, clock))
+    finally:
+        CAttention.native_bf16 = True
+    n, c = statistics.median(sides["native"]), statistics.median(sides["converted"])
+    pairs = statistics.median(
+        x / y for x, y in zip(sides["native"], sides["converted"], strict=True)
+    )
+    print(f"{repeats} pairs: native median {n:.1f} ms, converted {c:.1f} ms, native / converted "
+          f"{n / c:.3f} (median of the pairs' ratios {pairs:.3f}); native "
+          + " ".join(f"{x:.0f}" for x in sides["native"])
+          + "; converted " + " ".join(f"{x:.0f}" for x in sides["converted"]))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ def layer_call(
             ctypes.c_void_p(table.data_ptr()), width,
             rows.ctypes.data_as(ctypes.c_void_p) if prompts else None,
             context_lens.ctypes.data_as(ctypes.c_void_p), m, int(prompts),
-            ctypes.c_void_p(out.data_ptr()), threads,
+            ctypes.c_void_p(out.data_ptr()), threads, 0,  # float32 qkv and output
         )  # fmt: skip
 
     keys = sum(p + t + 1 for p, n in seqs for t in range(n))

@@ -270,6 +270,8 @@ class CAttention(QkvAttention):
     """A step's attention in C, layer by layer (`CpuStep.attention`): the layer's q/k norms,
     rotary table and window, the model's scale and soft-cap, as in the C step."""
 
+    native_bf16 = True  # bfloat16 qkv and output as they are (False: converted, for A/B)
+
     def __init__(
         self,
         decode: CpuStep,
@@ -291,9 +293,16 @@ class CAttention(QkvAttention):
     def attend_qkv(
         self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
-        x = qkv.float().contiguous()
+        """The layer's attention output [T, heads * head_dim], in qkv's dtype. bfloat16 goes
+        to C as it is (converted a head at a time there): converting the whole [T, q + 2 kv]
+        to float32 and the output back were two more passes and parallel regions a layer; a
+        16 x 128 bfloat16 prefill step took 998 against 1111 ms of CPU time on one thread
+        (`perf/prefill_profile.py --dtype bfloat16 --prompts 16 --ab-attention-io --threads 1
+        --cpu-time`, 9 pairs alternated)."""
+        native = self.native_bf16 and qkv.dtype == torch.bfloat16
+        x = (qkv if native else qkv.float()).contiguous()
         m = x.shape[0]
-        out = torch.empty(m, self.out_features, dtype=torch.float32)
+        out = torch.empty(m, self.out_features, dtype=x.dtype)
         rows = None if self.rows is None else self.rows.ctypes.data_as(ctypes.c_void_p)
         self.decode.lib.trillm_attention(
             ctypes.byref(self.decode.desc),
@@ -311,8 +320,9 @@ class CAttention(QkvAttention):
             int(self.rows is not None),
             ctypes.c_void_p(out.data_ptr()),
             self.decode.threads,
+            BF16 if native else F32,
         )
-        return out.to(qkv.dtype)
+        return out if native else out.to(qkv.dtype)
 
 
 def c_step_max_batch(dtype: torch.dtype, onednn_linears: bool, amx: bool) -> int:

@@ -4,7 +4,8 @@ torch's SDPA (a soft-capped case: softmax written out), in float64, over odd sha
 Prompts attend 16 tokens a block (`attend_block`), runs shorter than BLOCK_MIN and decode
 tokens one by one (`attend_group`): the cases below mix both, cut prompts across the block
 and the cache block sizes, read prefixes already cached, and take GQA and MHA, head dims 64
-and 128, a sliding window, a soft-cap, q/k norms, rotary, and float32 and bfloat16 caches.
+and 128, a sliding window, a soft-cap, q/k norms (per head and over the projection), rotary,
+float32 and bfloat16 caches, and float32 and bfloat16 qkv and output (the bfloat16 forward's).
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ class Case:
     window: int = 0
     softcap: float = 0.0
     rotary: bool = True
-    qk_norm: bool = False
+    qk_norm: str = ""  # "head" or "projection"
     block_size: int = 16
+    io: torch.dtype = torch.float32  # qkv's and the output's
     name: str = field(default="", compare=False)
 
 
@@ -53,11 +55,18 @@ CASES = [
     Case(9, 3, 64, ((0, 1), (0, 17), (0, 128), (0, 300)), name="gqa-lengths"),
     Case(4, 4, 128, ((0, 17), (5, 40), (200, 1), (33, 3), (0, 16)), name="mha-d128-mixed"),
     Case(9, 3, 64, ((0, 300), (70, 35), (130, 1)), window=48, name="window"),
-    Case(4, 2, 64, ((0, 130), (19, 21), (7, 1)), softcap=30.0, qk_norm=True, name="cap-norm"),
+    Case(4, 2, 64, ((0, 130), (19, 21), (7, 1)), softcap=30.0, qk_norm="head", name="cap-norm"),
     Case(9, 3, 64, ((0, 128), (31, 64), (90, 1)), dtype=torch.bfloat16, name="bf16"),
     Case(4, 4, 128, ((0, 300), (12, 2)), dtype=torch.bfloat16, window=100, name="bf16-d128"),
     Case(8, 2, 64, ((0, 45), (3, 50), (0, 4)), rotary=False, block_size=8, name="block-8"),
-]
+    Case(9, 3, 64, ((0, 128), (31, 64), (90, 1)), dtype=torch.bfloat16, io=torch.bfloat16,
+         name="bf16-io"),
+    Case(4, 4, 128, ((0, 300), (12, 2)), dtype=torch.bfloat16, window=100, io=torch.bfloat16,
+         name="bf16-io-d128"),
+    Case(4, 2, 64, ((0, 40), (9, 1), (3, 2)), dtype=torch.bfloat16, qk_norm="projection",
+         io=torch.bfloat16, name="bf16-io-projection-norm"),
+    Case(4, 2, 64, ((0, 40), (9, 1)), qk_norm="projection", name="projection-norm"),
+]  # fmt: skip
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -81,7 +90,7 @@ def _run(case: Case, threads: int) -> None:
     k_cache = torch.randn(num_blocks, bs, g, d).to(case.dtype)
     v_cache = torch.randn(num_blocks, bs, g, d).to(case.dtype)
     table = torch.randperm(num_blocks)[: width * len(case.seqs)].view(-1, width).int()
-    qkv = torch.randn(m, (h + 2 * g) * d)
+    qkv = torch.randn(m, (h + 2 * g) * d).to(case.io)
     positions = np.concatenate([np.arange(p, p + n) for p, n in case.seqs])
     rows = np.repeat(np.arange(len(case.seqs), dtype=np.int32), counts)
     slots = table[rows, positions // bs].numpy().astype(np.int64) * bs + positions % bs
@@ -91,11 +100,13 @@ def _run(case: Case, threads: int) -> None:
     angles = torch.arange(max_pos)[:, None] * freqs[None]
     cos_table = torch.cat([angles.cos(), angles.cos()], -1).to(case.dtype)
     sin_table = torch.cat([-angles.sin(), angles.sin()], -1).to(case.dtype)
-    q_norm = torch.rand(d) + 0.5
-    k_norm = torch.rand(d) + 0.5
+    whole = case.qk_norm == "projection"  # one norm over all heads' q (k)
+    q_norm = torch.rand(h * d if whole else d) + 0.5
+    k_norm = torch.rand(g * d if whole else d) + 0.5
     model = Model(
         num_layers=1, hidden=h * d, num_heads=h, num_kv_heads=g, head_dim=d, block_size=bs,
-        cache_type=0 if case.dtype == torch.float32 else 1, qk_norm=int(case.qk_norm),
+        cache_type=0 if case.dtype == torch.float32 else 1,
+        qk_norm={"": 0, "head": 1, "projection": 2}[case.qk_norm],
         rotary_dim=d, eps=EPS, scale=d**-0.5, softcap=case.softcap, residual=1.0,
     )  # fmt: skip
     layer = Layer(
@@ -105,7 +116,7 @@ def _run(case: Case, threads: int) -> None:
         rope_sin=sin_table.data_ptr() if case.rotary else None,
         k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(), window=case.window,
     )  # fmt: skip
-    out = torch.full((m, h * d), float("nan"))
+    out = torch.full((m, h * d), float("nan"), dtype=case.io)
     lib = tiled_kernels()
     assert lib is not None
     lib.trillm_attention(
@@ -116,12 +127,15 @@ def _run(case: Case, threads: int) -> None:
         slots.ctypes.data_as(ctypes.c_void_p),
         ctypes.c_void_p(table.data_ptr()), width,
         rows.ctypes.data_as(ctypes.c_void_p), context_lens.ctypes.data_as(ctypes.c_void_p),
-        m, 1, ctypes.c_void_p(out.data_ptr()), threads,
+        m, 1, ctypes.c_void_p(out.data_ptr()), threads, int(case.io == torch.bfloat16),
     )  # fmt: skip
 
     q, k, v = qkv.double().split([h * d, g * d, g * d], dim=-1)
     q, k, v = q.view(m, h, d), k.view(m, g, d), v.view(m, g, d)
-    if case.qk_norm:
+    if whole:
+        q = _norm(q.reshape(m, h * d), q_norm.double()).view(m, h, d)
+        k = _norm(k.reshape(m, g * d), k_norm.double()).view(m, g, d)
+    elif case.qk_norm:
         q, k = _norm(q, q_norm.double()), _norm(k, k_norm.double())
     if case.rotary:
         cos, sin = cos_table.double()[positions], sin_table.double()[positions]
@@ -153,7 +167,7 @@ def _run(case: Case, threads: int) -> None:
             )
         got = out[start : start + n].view(n, h, d).transpose(0, 1).double()
         # bfloat16: the token-by-token path attends its own key unrounded
-        tol = 2e-5 if case.dtype == torch.float32 else 2e-2
+        tol = 2e-5 if case.dtype == case.io == torch.float32 else 2e-2
         torch.testing.assert_close(got, expect, atol=tol, rtol=tol, msg=f"{case.name} seq {s}")
         start += n
 

@@ -284,7 +284,8 @@ static int prompt_tasks(const struct tl_model *md, const int32_t *rows, const in
 /* One layer's attention for the torch forward's steps (the linears there are oneDNN's):
  * `attention_tasks` over M tokens on `threads` threads, with `layer`'s q/k norms, rotary
  * table and window. `rope_rows`, `slots`, `rows` (NULL: token m is sequence m) and
- * `context_lens` per token, as `struct tl_step` says. With `prompts` some token reads keys
+ * `context_lens` per token, as `struct tl_step` says; `qkv` and `out` of `io_type` (TL_F32,
+ * or TL_BF16: the bfloat16 forward's tensors as they are). With `prompts` some token reads keys
  * another token of the step stores: all K/V are stored first, then the prompts attend a
  * block of tokens at a time (`attend_block`, head_dim % 16 == 0) and the decode tokens one
  * by one, the dearest tasks handed out first, each to the next free thread.
@@ -293,12 +294,13 @@ static int prompt_tasks(const struct tl_model *md, const int32_t *rows, const in
  * 16 prompts of 128 tokens on SmolLM2: 148-180 ms of 1.3 s, prefill_profile.py --top); this
  * reads each prompt's keys in place, all prompts in one call. */
 void trillm_attention(const struct tl_model *md, const struct tl_layer *layer, void *k_cache,
-                      void *v_cache, const float *qkv, const int64_t *rope_rows,
+                      void *v_cache, const void *qkv, const int64_t *rope_rows,
                       const int64_t *slots, const int32_t *tables, int table_stride,
                       const int32_t *rows, const int32_t *context_lens, int M, int prompts,
-                      float *out, int threads) {
-    const struct tl_step step = {layer, k_cache, v_cache, qkv,          rope_rows,    slots,
-                                 tables, rows,   context_lens, table_stride, out};
+                      void *out, int threads, int io_type) {
+    const struct tl_step step = {layer,        k_cache, v_cache, qkv,  rope_rows,
+                                 slots,        tables,  rows,    context_lens,
+                                 table_stride, out,     io_type};
     const int tasks = num_attention_tasks(md, M), D = md->head_dim;
     const int group = md->num_heads / md->num_kv_heads;
     const int64_t block_floats = block_work_floats(group, D);

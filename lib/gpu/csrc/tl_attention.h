@@ -2,20 +2,46 @@
 #ifndef TL_ATTENTION_H
 #define TL_ATTENTION_H
 
+#include "tl_norm.h"
 #include "tl_vec.h"
 
-/* Head `h` of one token's q or k projection `x` [heads][D] into `out` [D]: RMS-normed by
- * `norm` (QK_HEAD: its own D values, `norm` [D]; QK_PROJECTION: `inv` is the whole
- * projection's 1 / rms, `norm` the projection's [heads * D]; NULL: not normed), then rotate-half
- * RoPE over its first `rd` dims by `c`, `s` [rd / 2] (cos and sin; NULL: no rotary). */
-static void head_in(const float *x, int h, int D, const float *norm, int mode, float inv,
-                    float eps, const float *c, const float *s, int rd, float *out) {
-    const float *xh = x + (size_t)h * D;
+/* Element i of a float32 or bfloat16 (`type`) array. */
+static inline const void *elem_at(const void *p, int type, size_t i) {
+    return (const char *)p + i * (type == TL_F32 ? 4 : 2);
+}
+
+/* n values of a float32 or bfloat16 array into `out` as float32. */
+static inline void to_f32(const void *x, int type, int n, float *out) {
+    if (type == TL_F32) {
+        memcpy(out, x, sizeof(float) * (size_t)n);
+        return;
+    }
+    const uint16_t *h = (const uint16_t *)x;
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        f32x16 v = load_bf16(h + i);
+        memcpy(out + i, &v, sizeof v);
+    }
+    for (; i < n; i++) out[i] = bf16_to_f32(h[i]);
+}
+
+/* Head `h` of one token's q or k projection `x` [heads][D] (float32 or bfloat16, `xtype`)
+ * into `out` [D] float32: RMS-normed by `norm` (QK_HEAD: its own D values, `norm` [D];
+ * QK_PROJECTION: `inv` is the whole projection's 1 / rms, `norm` the projection's [heads * D];
+ * NULL: not normed), then rotate-half RoPE over its first `rd` dims by `c`, `s` [rd / 2] (cos
+ * and sin; NULL: no rotary). */
+static void head_in(const void *x, int xtype, int h, int D, const float *norm, int mode,
+                    float inv, float eps, const float *c, const float *s, int rd, float *out) {
+    const float *xh = (const float *)x + (size_t)h * D;
+    if (xtype != TL_F32) { /* converted first, then normed and rotated in place */
+        to_f32(elem_at(x, xtype, (size_t)h * D), xtype, D, out);
+        xh = out;
+    }
     if (norm) {
         const float *w = mode == QK_PROJECTION ? norm + (size_t)h * D : norm;
         if (mode != QK_PROJECTION) inv = 1.0f / sqrtf(dot(xh, xh, D) / (float)D + eps);
         for (int i = 0; i < D; i++) out[i] = w[i] * (xh[i] * inv);
-    } else {
+    } else if (xh != out) {
         memcpy(out, xh, sizeof(float) * (size_t)D);
     }
     if (!c) return;
@@ -118,7 +144,9 @@ static void attend(const float *q, const float *k, const float *v, const void *k
 }
 
 #define MAX_GROUP 16 /* query heads per kv head the grouped path takes (Python checks) */
-#define WORK_FLOATS(D) (64 + (5 + 2 * 16 + MAX_GROUP) * (D)) /* a thread's attention work */
+/* a thread's attention work: `attention_tasks`' queries, key, value, rotary rows and output
+ * rows, and `attend_group`'s */
+#define WORK_FLOATS(D) (64 + (5 + 2 * 16 + 2 * MAX_GROUP) * (D))
 
 /* r[c] = the sum of v[c]'s lanes, for 16 vectors: a tree of 15 shuffle-adds instead of 16
  * horizontal sums. After level k each vector holds 16 >> k partial sums of 2^k inputs. */
@@ -237,25 +265,50 @@ static void attend_group(const float *q, int group, const float *k, const float 
 }
 
 /* One step's attention inputs for one layer. `qkv` [M, q + 2 kv] (queries and keys not yet
- * normed or rotated), `out` [M, q]. Token m is rotated by row `rope_rows[m]` of the layer's
- * rotary table, stores its K/V at `slots[m]` and attends to the `context_lens[m]` tokens (its
- * own the last) whose blocks row `rows[m]` of `tables` lists (row m when `rows` is NULL: one
- * token per sequence). */
+ * normed or rotated), `out` [M, q], both of `io_type` (TL_F32, or TL_BF16: the bfloat16 torch
+ * forward's own tensors, converted a head at a time where they were converted whole in torch
+ * before and after the call). Token m is rotated by row `rope_rows[m]` of the layer's rotary
+ * table, stores its K/V at `slots[m]` and attends to the `context_lens[m]` tokens (its own the
+ * last) whose blocks row `rows[m]` of `tables` lists (row m when `rows` is NULL: one token per
+ * sequence). */
 struct tl_step {
     const struct tl_layer *layer;
     void *k_cache, *v_cache;
-    const float *qkv;
+    const void *qkv;
     const int64_t *rope_rows, *slots;
     const int32_t *tables, *rows, *context_lens;
     int table_stride;
-    float *out;
+    void *out;
+    int io_type; /* last: initializers that stop before it mean float32 */
 };
 
 enum { ATT_STORE = 1, ATT_ATTEND = 2, ATT_BOTH = 3 }; /* what `attention_tasks` does */
 
-/* 1 / rms of n floats (an RMS norm's factor). */
-static inline float inv_rms(const float *x, int n, float eps) {
-    return 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
+/* 1 / rms of n float32 or bfloat16 values (an RMS norm's factor). */
+static inline float inv_rms(const void *x, int type, int n, float eps) {
+    if (type == TL_F32) return 1.0f / sqrtf(dot((const float *)x, (const float *)x, n) / (float)n + eps);
+    f32x16 acc = {0};
+    const uint16_t *h = (const uint16_t *)x;
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        f32x16 v = load_bf16(h + i);
+        acc += v * v;
+    }
+    float sum = hsum(acc);
+    for (; i < n; i++) sum += bf16_to_f32(h[i]) * bf16_to_f32(h[i]);
+    return 1.0f / sqrtf(sum / (float)n + eps);
+}
+
+/* Rows of float32 attention output `o` [n][D] into `out` (of `type`). */
+static inline void out_rows(const float *o, int n, int D, void *out, int type) {
+    if (type == TL_F32) {
+        memcpy(out, o, sizeof(float) * (size_t)n * D);
+        return;
+    }
+    uint16_t *h = (uint16_t *)out;
+    int i = 0;
+    for (; i + 16 <= n * D; i += 16) store_bf16(h + i, load_f32(o + i));
+    for (; i < n * D; i++) h[i] = f32_to_bf16(o[i]);
 }
 
 /* Tasks t0, t0 + stride, ... < t1 of `num_attention_tasks`: norm and rotate the new key and
@@ -271,32 +324,40 @@ static void attention_tasks(const struct tl_model *md, const struct tl_step *st,
     const int rd = md->rotary_dim, ct = md->cache_type;
     const struct tl_layer *L = st->layer;
     const int whole = md->qk_norm == QK_PROJECTION && L->q_norm; /* norms over all heads */
+    const int io = st->io_type;
     float *qrot = work, *krot = work + MAX_GROUP * D, *cbuf = krot + D, *sbuf = cbuf + D;
-    float *attn_work = work + (4 + MAX_GROUP) * D;
+    float *vbuf = sbuf + D, *obuf = vbuf + D; /* a bfloat16 step's value and output rows */
+    float *attn_work = obuf + MAX_GROUP * D;
     for (int task = t0; task < t1; task += stride) {
         int per = grouped ? NKV : NH, m = task / per;
         int g = grouped ? task % per : (task % per) / group, h0 = grouped ? g * group : task % per;
         int heads = grouped ? group : 1;
         if (!(mode & ATT_ATTEND) && h0 % group) continue; /* another task stores its K/V */
-        const float *row = st->qkv + (size_t)m * NQKV;
-        const float *c = NULL, *s = NULL, *v = row + Q + KV + (size_t)g * D;
+        const void *row = elem_at(st->qkv, io, (size_t)m * NQKV);
+        const float *c = NULL, *s = NULL, *v = elem_at(row, io, (size_t)Q + KV + (size_t)g * D);
+        if (io != TL_F32) {
+            to_f32(v, io, D, vbuf);
+            v = vbuf;
+        }
         if (L->rope_cos) {
             c = rope_row(L->rope_cos, ct, st->rope_rows[m], rd, 0, cbuf);
             s = rope_row(L->rope_sin, ct, st->rope_rows[m], rd, rd / 2, sbuf);
         }
-        float kinv = whole ? inv_rms(row + Q, KV, md->eps) : 0.0f;
-        head_in(row + Q, g, D, L->k_norm, md->qk_norm, kinv, md->eps, c, s, rd, krot);
+        const void *krow = elem_at(row, io, (size_t)Q);
+        float kinv = whole ? inv_rms(krow, io, KV, md->eps) : 0.0f;
+        head_in(krow, io, g, D, L->k_norm, md->qk_norm, kinv, md->eps, c, s, rd, krot);
         if ((mode & ATT_STORE) && h0 % group == 0) {
             cache_store(st->k_cache, ct, st->slots[m], NKV, g, D, krot);
             cache_store(st->v_cache, ct, st->slots[m], NKV, g, D, v);
         }
         if (!(mode & ATT_ATTEND)) continue;
-        float qinv = whole ? inv_rms(row, Q, md->eps) : 0.0f;
+        float qinv = whole ? inv_rms(row, io, Q, md->eps) : 0.0f;
         for (int hh = 0; hh < heads; hh++)
-            head_in(row, h0 + hh, D, L->q_norm, md->qk_norm, qinv, md->eps, c, s, rd,
+            head_in(row, io, h0 + hh, D, L->q_norm, md->qk_norm, qinv, md->eps, c, s, rd,
                     qrot + (size_t)hh * D);
         const int32_t *table = st->tables + (size_t)(st->rows ? st->rows[m] : m) * st->table_stride;
-        float *o = st->out + (size_t)m * Q + (size_t)h0 * D;
+        void *dst = (void *)elem_at(st->out, io, (size_t)m * Q + (size_t)h0 * D);
+        float *o = io == TL_F32 ? (float *)dst : obuf;
         int ctx = st->context_lens[m];
         if (grouped)
             attend_group(qrot, group, krot, v, st->k_cache, st->v_cache, ct, table, ctx,
@@ -305,6 +366,7 @@ static void attention_tasks(const struct tl_model *md, const struct tl_step *st,
         else
             attend(qrot, krot, v, st->k_cache, st->v_cache, ct, table, ctx, L->window,
                    md->block_size, NKV, g, D, md->scale, md->softcap, o, attn_work);
+        if (io != TL_F32) out_rows(o, heads, D, dst, io);
     }
 }
 

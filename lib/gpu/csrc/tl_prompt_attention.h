@@ -109,15 +109,20 @@ static inline void transpose16(f32x16 *r) {
     for (int i = 0; i < 16; i += 2) SWAP_BLOCKS(r, i, 1, S1_LO, S1_HI);
 }
 
-/* out[t][d] = ot[d][t] * inv[t] for t < n, d < D: the block's [D][16 lanes] back to rows,
- * 16 dims at a time through a 16 x 16 transpose in registers. */
-static inline void block_out(const float *ot, f32x16 inv, int n, int D, float *out,
+/* out[t][d] = ot[d][t] * inv[t] for t < n, d < D: the block's [D][16 lanes] back to rows
+ * (float32 or bfloat16, `type`), 16 dims at a time through a 16 x 16 transpose in registers. */
+static inline void block_out(const float *ot, f32x16 inv, int n, int D, void *out, int type,
                              size_t stride) {
     for (int d0 = 0; d0 < D; d0 += 16) {
         f32x16 r[16];
         for (int i = 0; i < 16; i++) r[i] = load_f32(ot + (size_t)(d0 + i) * QBLOCK) * inv;
         transpose16(r);
-        for (int t = 0; t < n; t++) memcpy(out + (size_t)t * stride + d0, &r[t], sizeof r[t]);
+        for (int t = 0; t < n; t++) {
+            if (type == TL_F32)
+                memcpy((float *)out + (size_t)t * stride + d0, &r[t], sizeof r[t]);
+            else
+                store_bf16((uint16_t *)out + (size_t)t * stride + d0, r[t]);
+        }
     }
 }
 
@@ -140,16 +145,17 @@ static inline __attribute__((always_inline)) void attend_block_d(
     /* the queries as rows [head][token][D] in ot's room first, then transposed into qt */
     float *rows_in = ot;
     if (n < QBLOCK) memset(rows_in, 0, sizeof(float) * (size_t)group * D * QBLOCK);
+    const int io = st->io_type;
     for (int t = 0; t < n; t++) {
-        const float *row = st->qkv + (size_t)(m0 + t) * NQKV;
+        const void *row = elem_at(st->qkv, io, (size_t)(m0 + t) * NQKV);
         const float *c = NULL, *s = NULL;
         if (L->rope_cos) {
             c = rope_row(L->rope_cos, ct, st->rope_rows[m0 + t], rd, 0, cbuf);
             s = rope_row(L->rope_sin, ct, st->rope_rows[m0 + t], rd, rd / 2, sbuf);
         }
-        float qinv = whole ? inv_rms(row, Q, md->eps) : 0.0f;
+        float qinv = whole ? inv_rms(row, io, Q, md->eps) : 0.0f;
         for (int hh = 0; hh < group; hh++)
-            head_in(row, h0 + hh, D, L->q_norm, md->qk_norm, qinv, md->eps, c, s, rd,
+            head_in(row, io, h0 + hh, D, L->q_norm, md->qk_norm, qinv, md->eps, c, s, rd,
                     rows_in + ((size_t)hh * QBLOCK + t) * D);
     }
     for (int hh = 0; hh < group; hh++) {
@@ -234,7 +240,8 @@ static inline __attribute__((always_inline)) void attend_block_d(
     }
     for (int hh = 0; hh < group; hh++)
         block_out(ot + (size_t)hh * D * QBLOCK, 1.0f / run_sum[hh], n, D,
-                  st->out + (size_t)m0 * Q + (size_t)(h0 + hh) * D, (size_t)Q);
+                  (void *)elem_at(st->out, io, (size_t)m0 * Q + (size_t)(h0 + hh) * D), io,
+                  (size_t)Q);
 }
 
 /* `attend_block` with head_dim 64 and 128 compiled apart: a constant D makes each key's and
