@@ -27,7 +27,7 @@ import torch
 from model_bench import Driver, DriverRequest, SamplingOptions
 
 from trillm.gpu import Worker, _cpu_decode, _layers
-from trillm.gpu._tiles import BF16, F32, TiledLinear
+from trillm.gpu._tiles import BF16, BF16_AMX, F32, TiledLinear
 
 PARTS = ("linears", "attention", "sampling", "host")
 
@@ -109,7 +109,7 @@ def products_alone(
     for w in step.layers:
         assert w.gate_up is not None and w.down is not None
         for tiles in (w.qkv, w.o, w.gate_up, w.down):  # dense: [N / 16, K * 16] elements
-            if tiles.kind not in (F32, BF16):
+            if tiles.kind not in (F32, BF16, BF16_AMX):
                 raise ValueError("products_alone times dense (float32, bfloat16) tiles only")
             n, k = tiles.data.shape[0] * 16, tiles.data.shape[1] // 16
             linears.append((TiledLinear(tiles, n), k))

@@ -157,6 +157,10 @@ def main() -> None:
         "--no-huge-pages", action="store_true",
         help="tiled weights and KV cache on plain pages (`_hugepages`), to measure them",
     )  # fmt: skip
+    p.add_argument(
+        "--no-amx", action="store_true",
+        help="bfloat16: the C step's FMA tiles, not its AMX tiles (`_tiles.AMX_ENABLED`)",
+    )  # fmt: skip
     p.add_argument("--model", help="default: the built-in SmolLM2 (its float32 conversion)")
     p.add_argument("--quantization", default="auto")
     p.add_argument("--cpu-linear", default="auto", help="auto, onednn or aten (MKL)")
@@ -176,6 +180,10 @@ def main() -> None:
         from trillm.gpu import _hugepages
 
         _hugepages.ENABLED = False
+    if args.no_amx:
+        from trillm.gpu import _tiles
+
+        _tiles.AMX_ENABLED = False
     if args.split:
         split_main(args)
         return

@@ -37,15 +37,26 @@ from . import _native
 from ._attention import QkvAttention
 from ._cpu_decode_model import CpuDecodeUnsupported as CpuDecodeUnsupported
 from ._cpu_decode_model import Layer, layer_weights, model_struct, unsupported
-from ._tiles import BF16, F32, Q4, Q8, TiledLinear, Tiles, dense_tiles
+from ._tiles import (
+    BF16,
+    BF16_AMX,
+    F32,
+    Q4,
+    Q8,
+    TiledLinear,
+    Tiles,
+    amx_ready,
+    weight_tiles,
+)
 from .models.llama import KVCache, LlamaForCausalLM
 
 # Up to this many decodes the C step beat the torch forward with C attention (oneDNN's
 # linears): 16.0 / 19.7 ms at 8, 37.4 / 44.1 at 32, 63.4 / 73.1 at 64 (SmolLM2 fp32, 2 cores;
 # `perf/decode_profile.py --batch B`).
 MAX_BATCH = 64
-# In bfloat16 on a CPU with AMX, oneDNN's linears run on the tile unit while the C step's
-# tiles convert to float32 FMAs, so a larger batched decode step goes to the torch forward.
+# In bfloat16 on a CPU with AMX whose C kernels cannot use it (`amx_ready`: not built for it,
+# or no tile state), oneDNN's linears run on the tile unit while the C step's tiles convert to
+# float32 FMAs, so a larger batched decode step goes to the torch forward.
 # One thread, CPU time of a decode step, SmolLM2 bf16 (`perf/decode_profile.py --split
 # --dtype bfloat16 --threads 1 --cpu-time --batch B [--c-step-max 0]`, C / torch forward,
 # Sapphire Rapids): B=8 37.3 / 56.3 ms, 16 61.4 / 69.2, 24 94.9 / 86.7, 32 113.8 / 86.9.
@@ -79,8 +90,9 @@ class CpuStep:
         self.lib = _native.load("cpu_decode")
         self.lib.trillm_decode_scratch.restype = ctypes.c_int64
         self.model, self.dtype, self.max_batch = model, dtype, max_batch
-        self.layers = [layer_weights(layer) for layer in model.decoder_layers()]
-        self.head = _head_tiles(model)
+        amx = dtype == torch.bfloat16 and amx_ready()
+        self.layers = [layer_weights(layer, amx) for layer in model.decoder_layers()]
+        self.head = _head_tiles(model, amx)
         self.head_linear = TiledLinear(self.head, cfg.vocab_size)
         self.final_norm = model.norm.scale().contiguous()
         self.desc = model_struct(model, block_size)
@@ -104,7 +116,7 @@ class CpuStep:
 
     def kinds(self) -> str:
         """The weight types in use, e.g. "q4, q8 head"."""
-        names = {F32: "float32", BF16: "bfloat16", Q4: "q4", Q8: "q8"}
+        names = {F32: "float32", BF16: "bfloat16", Q4: "q4", Q8: "q8", BF16_AMX: "bfloat16 AMX"}
         layers = sorted({names[t.kind] for w in self.layers for t in w.tiles()})
         return f"{'/'.join(layers)} layers, {names[self.head.kind]} head"
 
@@ -327,8 +339,10 @@ class CAttention(QkvAttention):
 
 def c_step_max_batch(dtype: torch.dtype, onednn_linears: bool, amx: bool) -> int:
     """The most decodes a C step takes: `AMX_BF16_MAX_BATCH` in bfloat16 where oneDNN runs
-    the torch forward's linears on AMX, else `MAX_BATCH`."""
-    return AMX_BF16_MAX_BATCH if dtype == torch.bfloat16 and onednn_linears and amx else MAX_BATCH
+    the torch forward's linears on AMX and the C step's own tiles cannot (`amx_ready`), else
+    `MAX_BATCH`."""
+    fma_only = dtype == torch.bfloat16 and onednn_linears and amx and not amx_ready()
+    return AMX_BF16_MAX_BATCH if fma_only else MAX_BATCH
 
 
 def build_cpu_step(
@@ -352,9 +366,9 @@ def build_cpu_step(
     )
 
 
-def _head_tiles(model: LlamaForCausalLM) -> Tiles:
+def _head_tiles(model: LlamaForCausalLM, amx: bool) -> Tiles:
     """The LM head's tiles: a GGUF head's own, or a tiled copy of the dense matrix."""
     kept = model.lm_head.quantized_head
     if isinstance(kept, TiledLinear):
         return kept.tiles
-    return dense_tiles(model.lm_head.weight.data)
+    return weight_tiles(model.lm_head.weight.data, amx)

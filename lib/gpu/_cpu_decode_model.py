@@ -24,7 +24,7 @@ from ._hugepages import huge_zeros
 from ._layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
 from ._lora_slots import LoraLinear
 from ._moe import FusedMoE
-from ._tiles import DENSE, TiledLinear, Tiles, dense_tiles
+from ._tiles import DENSE, TiledLinear, Tiles, dense_tiles, weight_tiles
 from .models.gemma import GemmaDecoderLayer
 from .models.granite import GraniteDecoderLayer
 from .models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
@@ -213,22 +213,23 @@ def model_struct(model: LlamaForCausalLM, block_size: int) -> Model:
     )
 
 
-def layer_weights(layer: LlamaDecoderLayer) -> LayerWeights:
-    """One layer's tiles (a GGUF weight's own, or tiled copies of dense ones) and scales."""
+def layer_weights(layer: LlamaDecoderLayer, amx: bool = False) -> LayerWeights:
+    """One layer's tiles (a GGUF weight's own, or tiled copies of dense ones: AMX tiles for
+    bfloat16 with `amx`, but not the experts') and scales."""
     attn, mlp = layer.self_attn, layer.mlp
     names, _ = _PLACEMENTS[type(layer).forward]
     norms = [None if name is None else _scale(getattr(layer, name)) for name in names]
     rotary = attn.rotary
     gate_up = down = None
     if isinstance(mlp, LlamaMLP):
-        gate_up = _tiles(mlp.gate_up_proj.quantized, mlp.gate_up_proj.weight, interleaved=True)
-        down = _tiles(mlp.down_proj.quantized, mlp.down_proj.weight)
+        gate_up = _tiles(mlp.gate_up_proj.quantized, mlp.gate_up_proj.weight, amx, interleaved=True)
+        down = _tiles(mlp.down_proj.quantized, mlp.down_proj.weight, amx)
     return LayerWeights(
         norms,
         None if attn.q_norm is None else _scale(attn.q_norm),
         None if attn.k_norm is None else _scale(attn.k_norm),
-        _tiles(attn.qkv_proj.quantized, attn.qkv_proj.weight),
-        _tiles(attn.o_proj.quantized, attn.o_proj.weight),
+        _tiles(attn.qkv_proj.quantized, attn.qkv_proj.weight, amx),
+        _tiles(attn.o_proj.quantized, attn.o_proj.weight, amx),
         gate_up,
         down,
         None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.data.float().contiguous(),
@@ -355,11 +356,11 @@ def _scale(norm: RMSNorm) -> torch.Tensor:
     return norm.scale().contiguous()
 
 
-def _tiles(kept: object, weight: torch.Tensor, *, interleaved: bool = False) -> Tiles:
+def _tiles(kept: object, weight: torch.Tensor, amx: bool, *, interleaved: bool = False) -> Tiles:
     """The tiles a weight kept quantized already has, or a tiled copy of the dense one."""
     if isinstance(kept, TiledLinear):
         return kept.tiles
-    tiles = dense_tiles(weight.data)
+    tiles = weight_tiles(weight.data, amx)
     return tiles.interleaved() if interleaved else tiles
 
 

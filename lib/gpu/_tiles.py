@@ -34,8 +34,11 @@ from . import _native
 from ._gguf_blocks import Q4_0, Q4_1, Q8_0, QuantizedTensor
 from ._hugepages import on_huge_pages
 
-F32, BF16, Q4, Q8 = 0, 1, 2, 3  # the C code's weight types (TL_F32, ...)
+F32, BF16, Q4, Q8, BF16_AMX = 0, 1, 2, 3, 4  # the C code's weight types (TL_F32, ...)
 DENSE = {torch.float32: F32, torch.bfloat16: BF16}
+# bfloat16 weights in AMX tiles where the kernels can run them (`amx_ready`); perf tools turn
+# it off to measure the FMA tiles against them.
+AMX_ENABLED = True
 
 
 @functools.cache
@@ -81,6 +84,30 @@ class Tiles:
 def dense_tiles(weight: torch.Tensor) -> Tiles:
     """A float32 or bfloat16 [N, K] weight as tiles of its dtype."""
     return Tiles(on_huge_pages(tile(weight).flatten(1)), DENSE[weight.dtype])
+
+
+def amx_ready() -> bool:
+    """Whether the C kernels run AMX products here (built for AMX, the tile state granted by
+    the kernel: `csrc/tl_amx.h`), and `AMX_ENABLED`."""
+    lib = tiled_kernels()
+    return AMX_ENABLED and lib is not None and lib.trillm_amx_ready() == 1
+
+
+def amx_tiles(weight: torch.Tensor) -> Tiles:
+    """A bfloat16 [N, K] weight (K % 32 == 0) as AMX tiles: per tile of 16 rows and chunk of
+    32 k, the tile unit's B operand, 16 rows of the 16 outputs' (k = 2r, 2r + 1) pairs."""
+    t = tile(weight)  # [T, K, 16]
+    n, k = t.shape[0], t.shape[1]
+    pairs = t.view(n, k // 32, 16, 2, 16).permute(0, 1, 2, 4, 3)  # [T, chunk, r, out, k % 2]
+    return Tiles(on_huge_pages(pairs.reshape(n, -1).contiguous()), BF16_AMX)
+
+
+def weight_tiles(weight: torch.Tensor, amx: bool) -> Tiles:
+    """A dense weight's tiles for the C step: AMX tiles for bfloat16 with `amx` (and K a
+    multiple of 32), else `dense_tiles`."""
+    if amx and weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0:
+        return amx_tiles(weight)
+    return dense_tiles(weight)
 
 
 def quantized_tiles(parts: list[QuantizedTensor], rows: int | None = None) -> Tiles:

@@ -49,11 +49,16 @@ static int64_t sum_rows(const struct tl_model *md, int M) {
     return (int64_t)M * (md->top_k > 1 ? md->top_k : 1);
 }
 
+/* Floats of a thread's AMX activations (`amx_activations`: bfloat16, two to a float). */
+static int64_t amx_floats(const struct tl_model *md, int M) {
+    return (int64_t)amx_rows(M) * widest_row(md) / 2 + 16;
+}
+
 static int64_t private_floats(const struct tl_model *md, int M) {
     return (int64_t)M * md->hidden + WORK_FLOATS(md->head_dim) +
            sum_rows(md, M) * (widest_row(md) / 32 + 1) +
            (md->num_experts ? route_floats(md, M) : 0) +
-           (int64_t)M * LORA_MAX_PARTS * md->lora_rank;
+           (int64_t)M * LORA_MAX_PARTS * md->lora_rank + amx_floats(md, M);
 }
 
 /* Floats of scratch `trillm_decode` needs for M tokens on `threads` threads. */
@@ -145,6 +150,7 @@ void trillm_decode(const struct tl_model *md, const struct tl_layer *layers,
         float *xsum = work + WORK_FLOATS(D);
         float *route_mem = xsum + sum_rows(md, M) * (widest_row(md) / 32 + 1);
         float *lora_t = route_mem + (md->num_experts ? route_floats(md, M) : 0);
+        uint16_t *xb = (uint16_t *)(lora_t + (size_t)M * LORA_MAX_PARTS * md->lora_rank);
         struct tl_lora_rows lr = {NULL, lora_slots, lora_t, md->lora_rank, md->lora_type,
                                   LORA_MAX_PARTS * md->lora_rank};
         int qkv_t0, qkv_t1, o_t0, o_t1, gu_t0, gu_t1, att0, att1, c0, c1;
@@ -159,7 +165,7 @@ void trillm_decode(const struct tl_model *md, const struct tl_layer *layers,
             const float *x = block_in(hidden, L->ln1, M, H, eps, xn);
             linear_tiles(L->wqkv, L->tqkv, H, NQKV, L->bqkv, x, H, M,
                          sums_for(L->tqkv, x, M, H, xsum), qkv, NQKV, OUT_STORE, 1.0f, qkv_t0,
-                         qkv_t1, lora ? lora_shrink(&lr, &lora[0], x, H, M, H) : NULL);
+                         qkv_t1, lora ? lora_shrink(&lr, &lora[0], x, H, M, H) : NULL, xb);
 #pragma omp barrier
             const struct tl_step step = {L,      L->k_cache,   L->v_cache, qkv,
                                          rope_rows, slots,     tables,     NULL,
@@ -177,12 +183,12 @@ void trillm_decode(const struct tl_model *md, const struct tl_layer *layers,
                                                   : NULL;
             if (L->ln_attn_out) { /* normed before it joins the stream: a whole row first */
                 linear_tiles(L->wo, L->to, Q, H, L->bo, attn, Q, M, osum, tmp, H, OUT_STORE,
-                             1.0f, o_t0, o_t1, olr);
+                             1.0f, o_t0, o_t1, olr, xb);
 #pragma omp barrier
                 residual_add(hidden, tmp, L->ln_attn_out, M, H, eps, alpha, c0, c1);
             } else {
                 linear_tiles(L->wo, L->to, Q, H, L->bo, attn, Q, M, osum, hidden, H, OUT_ADD,
-                             alpha, o_t0, o_t1, olr);
+                             alpha, o_t0, o_t1, olr, xb);
             }
 #pragma omp barrier
             x = block_in(hidden, L->ln2, M, H, eps, xn);
@@ -196,19 +202,19 @@ void trillm_decode(const struct tl_model *md, const struct tl_layer *layers,
             } else {
                 gate_up_tiles(L->wgu, L->tgu, H, x, H, M, sums_for(L->tgu, x, M, H, xsum), act,
                               I, gu_t0, gu_t1, md->act, 1,
-                              lora ? lora_shrink(&lr, &lora[2], x, H, M, H) : NULL);
+                              lora ? lora_shrink(&lr, &lora[2], x, H, M, H) : NULL, xb);
 #pragma omp barrier
                 const float *dsum = sums_for(L->td, act, M, I, xsum);
                 const struct tl_lora_rows *dlr = lora ? lora_shrink(&lr, &lora[3], act, I, M, I)
                                                       : NULL;
                 if (L->ln_ff_out) {
                     linear_tiles(L->wd, L->td, I, H, NULL, act, I, M, dsum, tmp, H, OUT_STORE,
-                                 1.0f, o_t0, o_t1, dlr);
+                                 1.0f, o_t0, o_t1, dlr, xb);
 #pragma omp barrier
                     residual_add(hidden, tmp, L->ln_ff_out, M, H, eps, alpha, c0, c1);
                 } else {
                     linear_tiles(L->wd, L->td, I, H, NULL, act, I, M, dsum, hidden, H, OUT_ADD,
-                                 alpha, o_t0, o_t1, dlr);
+                                 alpha, o_t0, o_t1, dlr, xb);
                 }
             }
 #pragma omp barrier
@@ -222,11 +228,14 @@ void trillm_decode(const struct tl_model *md, const struct tl_layer *layers,
 
 /* out[M, N] = x[M, K] . w^T over a tiled weight, on `threads` threads: the LM head, and
  * every linear of a GGUF model kept quantized (`TiledLinear`), prefill included. Returns 0, or
- * -1 if the group sums of a Q4 weight found no memory. */
+ * -1 if the group sums of a Q4 weight (or an AMX weight's bfloat16 tokens) found no memory. */
 int trillm_linear(const void *w, int wtype, int K, int N, const float *x, int M, float *out,
                   int threads) {
     float *xsum = NULL;
+    uint16_t *xb = NULL; /* AMX: each thread's tokens in bfloat16 */
+    const size_t xb_size = (size_t)amx_rows(M) * K;
     if (wtype == TL_Q4 && !(xsum = malloc(sizeof(float) * ((size_t)M * (K / 32) + 1)))) return -1;
+    if (wtype == TL_BF16_AMX && !(xb = malloc(sizeof(uint16_t) * xb_size * threads))) return -1;
 #pragma omp parallel num_threads(threads)
     {
         int tid, nt, m0, m1, t0, t1;
@@ -237,11 +246,17 @@ int trillm_linear(const void *w, int wtype, int K, int N, const float *x, int M,
 #pragma omp barrier
         }
         split((N + 15) / 16, tid, nt, &t0, &t1);
-        linear_tiles(w, wtype, K, N, NULL, x, K, M, xsum, out, N, OUT_STORE, 1.0f, t0, t1, NULL);
+        linear_tiles(w, wtype, K, N, NULL, x, K, M, xsum, out, N, OUT_STORE, 1.0f, t0, t1, NULL,
+                     xb ? xb + xb_size * tid : NULL);
     }
     free(xsum);
+    free(xb);
     return 0;
 }
+
+/* 1 when the AMX products (`tl_amx.h`) run here: built for AMX and the kernel granted this
+ * process the tile state; else 0, and Python keeps bfloat16 weights in `TL_BF16`. */
+int trillm_amx_ready(void) { return amx_on(); }
 
 /* A prompt step's attention task: kv head g of tokens m0 .. m0 + n - 1, a block of one
  * sequence (`attend_block`) when n >= BLOCK_MIN, else token m0 alone (`attend_group`); `cost`

@@ -142,7 +142,7 @@ static void moe_block(const struct tl_model *md, const struct tl_layer *L, const
     int t0, t1;
     split(E16 / 16, tid, nt, &t0, &t1);
     linear_tiles(L->router, L->trouter, H, E, NULL, x, H, M, NULL, s.logits, E16, OUT_STORE,
-                 1.0f, t0, t1, NULL);
+                 1.0f, t0, t1, NULL, NULL); /* experts and router: never AMX tiles */
 #pragma omp barrier
     struct tl_route r = route_in(md, M, route_mem);
     route(md, s.logits, E16, M, &r);
@@ -161,7 +161,7 @@ static void moe_block(const struct tl_model *md, const struct tl_layer *L, const
         int j0 = u0 > a * per ? u0 - a * per : 0, j1 = u1 < (a + 1) * per ? u1 - a * per : per;
         const float *sums = L->tegu == TL_Q4 ? s.xsum + (size_t)first * (H / 32) : NULL;
         gate_up_tiles(L->expert_gu[e], L->tegu, H, s.x + (size_t)first * H, H, count, sums,
-                      s.act + (size_t)first * Ie, Ie, j0, j1, md->act, L->egu_interleaved, NULL);
+                      s.act + (size_t)first * Ie, Ie, j0, j1, md->act, L->egu_interleaved, NULL, NULL);
     }
 #pragma omp barrier
     if (L->ted == TL_Q4) group_sums(s.act, Ie, pairs, Ie, xsum_own);
@@ -170,7 +170,7 @@ static void moe_block(const struct tl_model *md, const struct tl_layer *L, const
         int e = r.active[a], first = r.start[e], count = r.start[e + 1] - first;
         const float *sums = L->ted == TL_Q4 ? xsum_own + (size_t)first * (Ie / 32) : NULL;
         linear_tiles(L->expert_down[e], L->ted, Ie, H, NULL, s.act + (size_t)first * Ie, Ie,
-                     count, sums, s.y + (size_t)first * H, H, OUT_STORE, 1.0f, t0, t1, NULL);
+                     count, sums, s.y + (size_t)first * H, H, OUT_STORE, 1.0f, t0, t1, NULL, NULL);
     }
 #pragma omp barrier
     for (int m = 0; m < M; m++) {

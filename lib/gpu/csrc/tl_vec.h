@@ -24,7 +24,7 @@ typedef int8_t i8x16 __attribute__((vector_size(16)));
 #define MAX_ROWS 4 /* AVX2: each f32x16 is two of 16 registers */
 #endif
 
-enum { TL_F32 = 0, TL_BF16 = 1, TL_Q4 = 2, TL_Q8 = 3 };
+enum { TL_F32 = 0, TL_BF16 = 1, TL_Q4 = 2, TL_Q8 = 3, TL_BF16_AMX = 4 }; /* AMX: tl_amx.h */
 #define Q4_GROUP 320 /* bytes of a Q4 tile's 32-k group: d[16], m[16] float16, 256 of nibbles */
 #define Q8_GROUP 544 /* bytes of a Q8 tile's 32-k group: d[16] float16, 32 x 16 int8 */
 

@@ -1,0 +1,168 @@
+/* trillm C kernels: bfloat16 products on AMX tiles (Intel Sapphire Rapids and later).
+ *
+ * Why: a bfloat16 decode step of 32 tokens is a batch of small products (M = 32 against
+ * SmolLM2's 576..3072-row weights). The C step's bfloat16 tiles widen each weight to float32
+ * and run FMAs: 16 multiply-adds per instruction. oneDNN's AMX products (the torch forward)
+ * were faster at 24 and more tokens, but they still took 20.7 ms for the 120 linears at
+ * M = 32, 2.8x the time of reading the weights once (perf/linear_bench.py), and the torch
+ * forward around them cost another 25 ms of attention and host work a step
+ * (decode_profile.py --split --dtype bfloat16 --batch 32). One tile product here is
+ * 16 x 16 x 32 multiply-adds, so the step's products are bound by the weight stream again,
+ * inside the one C call.
+ *
+ * Layout (`TL_BF16_AMX`, lib/gpu/_tiles.py `amx_tiles`): the 16 output rows of a tile, per
+ * chunk of 32 k, as the tile unit's B operand: 16 rows of 64 bytes, row r holding the 16
+ * outputs' weights at k = 2r and 2r + 1 side by side ("VNNI" pairs). A tile is K / 32 such
+ * 1 KiB blocks in k order, so a product streams it once; K % 32 == 0 (Python keeps other
+ * weights in `TL_BF16`). The tokens are the A operand: the step's float32 activations rounded
+ * to bfloat16 (as torch's bfloat16 forward holds them), 16 tokens a tile; products accumulate
+ * in float32 tiles.
+ *
+ * Where the compiler or the CPU has no AMX, or the kernel refuses the tile state, the same
+ * layout is read by plain C (tests build it), and Python keeps to `TL_BF16` there
+ * (`trillm_amx_ready`).
+ */
+#ifndef TL_AMX_H
+#define TL_AMX_H
+
+#include "tl_vec.h"
+
+#define AMX_ROWS 32 /* tokens a block: two A tiles */
+
+/* Rows of `amx_activations`' buffer for M tokens: whole tiles of 16, as the tile loads read. */
+static inline int amx_rows(int M) { return (M + 15) / 16 * 16; }
+
+/* The layout read by plain C: a build without AMX (tests run one), or a process the kernel
+ * refused the tile state. */
+static void amx_block_c(const uint16_t *w, int K, int t, int pair, const uint16_t *xb, int rows,
+                        float c[2][AMX_ROWS][16]) {
+    for (int p = 0; p < pair; p++) {
+        const uint16_t *wt = w + (size_t)(t + p) * K * 16;
+        for (int i = 0; i < rows; i++)
+            for (int n = 0; n < 16; n++) {
+                float s = 0.0f;
+                for (int k = 0; k < K; k++) /* chunk k / 32, pair row (k % 32) / 2, lane k % 2 */
+                    s += bf16_to_f32(xb[(size_t)i * K + k]) *
+                         bf16_to_f32(wt[(size_t)(k / 32) * 512 + (k % 32) / 2 * 32 + n * 2 + k % 2]);
+                c[p][i][n] = s;
+            }
+    }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define TL_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Linux gives a process the tile registers' state only when it asks (arch_prctl
+ * ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); a tile instruction before that is SIGILL.
+ * Asked once; every thread then sees the answer (a racing first call asks twice, harmlessly). */
+static int amx_on(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return state;
+}
+
+struct amx_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* Eight tiles of 16 rows x 64 bytes: 0-3 the float32 sums (2 token tiles x 2 weight tiles),
+ * 4-5 tokens, 6-7 weights. Loaded at each product: oneDNN's kernels on the same threads load
+ * their own configuration. */
+static inline void amx_configure(void) {
+    if (!amx_on()) return;
+    struct amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c.rows[i] = 16;
+        c.colsb[i] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* xb [amx_rows(M)][K] = x [M][ldx] rounded to bfloat16 (nearest even, as torch), padding rows
+ * zero. K % 32 == 0. */
+static void amx_activations(const float *x, int ldx, int M, int K, uint16_t *xb) {
+    for (int m = 0; m < amx_rows(M); m++) {
+        uint16_t *row = xb + (size_t)m * K;
+        if (m >= M) {
+            memset(row, 0, sizeof(uint16_t) * (size_t)K);
+            continue;
+        }
+        for (int k = 0; k < K; k += 16) {
+            __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + (size_t)m * ldx + k));
+            memcpy(row + k, &h, sizeof h);
+        }
+    }
+}
+
+#define AMX_LOOP(PAIR, TWO_ROWS)                                                             \
+    for (int k = 0; k < K; k += 32) {                                                        \
+        _tile_loadd(4, xb + k, ld);                                                          \
+        _tile_loadd(6, w0 + (size_t)k * 16, 64);                                             \
+        _tile_dpbf16ps(0, 4, 6);                                                             \
+        if (PAIR) {                                                                          \
+            _tile_loadd(7, w1 + (size_t)k * 16, 64);                                         \
+            _tile_dpbf16ps(1, 4, 7);                                                         \
+        }                                                                                    \
+        if (TWO_ROWS) {                                                                      \
+            _tile_loadd(5, xb + (size_t)16 * K + k, ld);                                     \
+            _tile_dpbf16ps(2, 5, 6);                                                         \
+            if (PAIR) _tile_dpbf16ps(3, 5, 7);                                               \
+        }                                                                                    \
+    }
+
+/* c[p][i] = token i of xb . output row block t + p of w, for p < `pair` (1 or 2) and i <
+ * `rows` (<= 32; rows past it are computed from xb's padding and not meant). */
+static void amx_block(const uint16_t *w, int K, int t, int pair, const uint16_t *xb, int rows,
+                      float c[2][AMX_ROWS][16]) {
+    if (!amx_on()) {
+        amx_block_c(w, K, t, pair, xb, rows, c);
+        return;
+    }
+    const uint16_t *w0 = w + (size_t)t * K * 16, *w1 = w0 + (size_t)K * 16;
+    const size_t ld = (size_t)K * sizeof(uint16_t);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    if (pair == 2 && rows > 16) {
+        AMX_LOOP(1, 1)
+    } else if (pair == 2) {
+        AMX_LOOP(1, 0)
+    } else if (rows > 16) {
+        AMX_LOOP(0, 1)
+    } else {
+        AMX_LOOP(0, 0)
+    }
+    _tile_stored(0, c[0][0], 64);
+    if (pair == 2) _tile_stored(1, c[1][0], 64);
+    if (rows > 16) {
+        _tile_stored(2, c[0][16], 64);
+        if (pair == 2) _tile_stored(3, c[1][16], 64);
+    }
+}
+
+#else
+
+static int amx_on(void) { return 0; }
+static inline void amx_configure(void) {}
+
+static void amx_activations(const float *x, int ldx, int M, int K, uint16_t *xb) {
+    for (int m = 0; m < amx_rows(M); m++)
+        for (int k = 0; k < K; k++)
+            xb[(size_t)m * K + k] = m < M ? f32_to_bf16(x[(size_t)m * ldx + k]) : 0;
+}
+
+static void amx_block(const uint16_t *w, int K, int t, int pair, const uint16_t *xb, int rows,
+                      float c[2][AMX_ROWS][16]) {
+    amx_block_c(w, K, t, pair, xb, rows, c);
+}
+
+#endif
+
+#endif
