@@ -143,6 +143,7 @@ def test_profile_writes_a_chrome_trace_of_the_engine_process(
     assert any(name.startswith("aten::") for name in names)  # the forward ran in here
 
 
+@pytest.mark.slow  # `make test`: the TP 2 executor's sleep (test_executor_multiproc), TP 1's above
 @pytest.mark.timeout(240)
 def test_sleep_reaches_every_rank_at_tp2(client_for: object) -> None:
     client = client_for(tensor_parallel_size=2)  # type: ignore[operator]

@@ -100,6 +100,11 @@ def test_tensor_parallel_2_gives_the_uniproc_greedy_tokens(model_dir: Path) -> N
         same = msgspec.structs.replace(executor.kernels, decode=uniproc.kernels.decode)
         assert same == uniproc.kernels
         assert generate(executor, num_blocks) == expected
+        # Sleep and wake-up reach every rank (level 2: weights to host memory and back).
+        for level in (1, 2):
+            executor.sleep(level)
+            executor.wake_up()
+        assert generate(executor, num_blocks) == expected
         pids = executor.pids
     assert executor.returncodes == [0, 0]
     assert_no_process(pids)
@@ -122,7 +127,8 @@ def test_an_exception_in_a_rank_names_the_rank_and_its_traceback(model_dir: Path
             executor.execute(StepBatch(99))  # later calls fail at once, with the same cause
 
 
-@pytest.mark.parametrize("victim", [1, 0])
+# Rank 1's death at TP 2 is also test_engine_process's SIGKILL case (in `make test`).
+@pytest.mark.parametrize("victim", [pytest.param(1, marks=pytest.mark.slow), 0])
 def test_a_killed_rank_is_reported_within_a_second(model_dir: Path, victim: int) -> None:
     """Rank 1's death breaks rank 0's collective (rank 0 then fails too: a consequence, not
     the cause); rank 0's death leaves the executor waiting on a ring no one will write."""
@@ -154,7 +160,12 @@ def test_a_killed_rank_is_reported_within_a_second(model_dir: Path, victim: int)
             1 << 24,
             r"ModelConfigError: model '.*missing' does not exist: give a Hugging Face",
         ),
-        (None, 100, r"KVCacheTooSmallError: the KV cache does not fit: one block of 8 tokens"),
+        pytest.param(  # the same path as a missing model; the error: tests/gpu/test_worker.py
+            None,
+            100,
+            r"KVCacheTooSmallError: the KV cache does not fit: one block of 8 tokens",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_a_rank_that_fails_to_load_names_itself_and_the_cause(
