@@ -52,7 +52,9 @@ from .models.llama import KVCache, LlamaForCausalLM
 
 # Up to this many decodes the C step beat the torch forward with C attention (oneDNN's
 # linears): 16.0 / 19.7 ms at 8, 37.4 / 44.1 at 32, 63.4 / 73.1 at 64 (SmolLM2 fp32, 2 cores;
-# `perf/decode_profile.py --batch B`).
+# `perf/decode_profile.py --batch B`). In bfloat16 on AMX tiles (`_tiles.amx_ready`) too:
+# B=64, one thread, CPU time, 97.5 ms against the torch forward's 140.7
+# (`decode_profile.py --split --dtype bfloat16 --threads 1 --cpu-time --batch 64 [--c-step-max 1]`).
 MAX_BATCH = 64
 # In bfloat16 on a CPU with AMX whose C kernels cannot use it (`amx_ready`: not built for it,
 # or no tile state), oneDNN's linears run on the tile unit while the C step's tiles convert to
