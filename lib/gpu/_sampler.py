@@ -8,7 +8,9 @@ Order of processing (as vLLM V1):
 3. penalties: repetition (prompt and output tokens; logits > 0 divided by it, logits <= 0
    multiplied), then frequency (times the output count) and presence (output tokens) are
    subtracted;
-4. greedy rows take the exact argmax of these logits (torch.argmax, first index on ties);
+4. greedy rows take the exact argmax of these logits (first index on ties), as `max(dim)`'s
+   indices: on the CPU torch.argmax over [32, 49152] took 2.64 ms against 0.85 (one thread,
+   CPU time, medians of 50), the same answer with ties and NaN;
 5. random rows: temperature, top-k, top-p, min-p, then one draw: argmax(probs / E) with E
    i.i.d. Exp(1), which picks token i with probability probs[i]. A seeded row draws its E from
    its own generator, so its tokens depend only on its seed and its logits, not on the batch.
@@ -73,7 +75,7 @@ class Sampler:
         raw = logits.float()
         processed = _process_logits(raw, batch)
         if batch.random is None:
-            token_ids = processed.argmax(dim=-1)
+            token_ids = processed.max(dim=-1).indices
         else:
             token_ids = _sample(processed, batch.random)
         if batch.max_logprobs is None:
