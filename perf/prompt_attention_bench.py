@@ -8,13 +8,14 @@ loaded machine's drift falls on both:
   1 x 2048; float32 and bfloat16 caches), a mixed step (32 decodes at 160 keys and a 160-token
   prompt) and a decode-only step (64 at 512 keys: its path must not change);
 - step (`--step`): the whole prefill step of `--prompts` x `--prompt-len` through the worker
-  (SmolLM2-135M, float32), the runner's C library swapped between the builds step by step,
+  (SmolLM2-135M, `--dtype`), the runner's C library swapped between the builds step by step,
   the attention timed at its calls (`CAttention.attend_qkv`); `--sdpa` adds torch's SDPA
   (the path past `PROMPT_CONTEXT_MAX`, lowered to 0 for its steps; its attention is in no
   timed call), to place the bound.
 
     python perf/prompt_attention_bench.py [--base REV] [--repeats 15] [--threads 2]
-        [--cpu-time] [--step [--prompts 16] [--prompt-len 128] [--step-repeats 5] [--sdpa]]
+        [--cpu-time] [--step [--prompts 16] [--prompt-len 128] [--step-repeats 5] [--sdpa]
+        [--dtype bfloat16]]
 
 Prints medians (ms), the attention's GFLOP/s (4 * head_dim * query heads per query-key pair)
 and new / base. `--cpu-time` times by the process's CPU time (one thread: a busy machine's
@@ -47,6 +48,7 @@ SHAPES: dict[str, tuple[list[tuple[int, int]], torch.dtype]] = {  # (cached, new
     "16 x 128 bfloat16": ([(0, 128)] * 16, torch.bfloat16),
     "1 x 512 prompt": ([(0, 512)], torch.float32),
     "1 x 2048 prompt": ([(0, 2048)], torch.float32),
+    "1 x 2048 bfloat16": ([(0, 2048)], torch.bfloat16),
     "32 decodes + 160": ([(160, 1)] * 32 + [(0, 160)], torch.float32),
     "64 decodes at 512": ([(511, 1)] * 64, torch.float32),
 }
@@ -159,7 +161,7 @@ def step_main(libs: dict[str, ctypes.CDLL], args: argparse.Namespace) -> None:
     from trillm.gpu import Worker, WorkerConfig
 
     worker = Worker(
-        WorkerConfig(str(default_model_dir()), device="cpu", dtype="float32",
+        WorkerConfig(str(default_model_dir()), device="cpu", dtype=args.dtype,
                      max_num_seqs=max(8, args.prompts))
     )  # fmt: skip
     worker.init_device()
@@ -171,13 +173,14 @@ def step_main(libs: dict[str, ctypes.CDLL], args: argparse.Namespace) -> None:
     batch = prompts(args.prompts, args.prompt_len, worker.runner.model_config.vocab_size)
     attend = _cpu_decode.CAttention.attend_qkv
     spent = [0.0]
+    clock = time.process_time if args.cpu_time else time.perf_counter
 
     def attend_timed(self: Any, *a: Any) -> Any:
-        t0 = time.perf_counter()
+        t0 = clock()
         try:
             return attend(self, *a)
         finally:
-            spent[0] += time.perf_counter() - t0
+            spent[0] += clock() - t0
 
     _cpu_decode.CAttention.attend_qkv = attend_timed  # type: ignore[method-assign]
     sides = [*libs, "sdpa"] if args.sdpa else list(libs)
@@ -188,9 +191,10 @@ def step_main(libs: dict[str, ctypes.CDLL], args: argparse.Namespace) -> None:
         step.lib = libs.get(name, libs["new"])
         _cpu_decode.PROMPT_CONTEXT_MAX = 0 if name == "sdpa" else 1 << 30
         spent[0] = 0.0
+        t0 = clock()
         seconds = trillm_run(worker, batch, 1)[0]
         attention[name].append(spent[0])
-        return seconds
+        return clock() - t0 if args.cpu_time else seconds
 
     for name in sides:  # warm-up
         run(name)
@@ -198,8 +202,9 @@ def step_main(libs: dict[str, ctypes.CDLL], args: argparse.Namespace) -> None:
         times.clear()
     med = alternate({name: name for name in sides}, args.step_repeats, run)
     _cpu_decode.PROMPT_CONTEXT_MAX = bound
-    print(f"{args.prompts} x {args.prompt_len}-token prefill step, {torch.get_num_threads()} "
-          f"threads, medians of {args.step_repeats} (ms):")  # fmt: skip
+    print(f"{args.prompts} x {args.prompt_len}-token {args.dtype} prefill step, "
+          f"{torch.get_num_threads()} threads, medians of {args.step_repeats} (ms"
+          f"{' of CPU time' if args.cpu_time else ''}):")  # fmt: skip
     for name in sides:
         att = statistics.median(attention[name]) * 1e3
         print(f"  {name:5} step {med[name] * 1e3:8.1f}   attention {att:7.1f} "
@@ -221,7 +226,9 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--step-repeats", type=int, default=5)
     p.add_argument("--sdpa", action="store_true", help="--step: torch's SDPA as a third side")
+    p.add_argument("--dtype", default="float32", help="--step: the model's, float32 or bfloat16")
     args = p.parse_args()
+    torch.set_num_threads(args.threads)
     libs = {"base": build_base(args.base), "new": _native.load("cpu_decode")}
     if args.step:
         step_main(libs, args)

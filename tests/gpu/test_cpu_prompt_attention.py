@@ -188,10 +188,13 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"], ids=["avx2", "sse2"])
+@pytest.mark.parametrize(
+    "march", ["icelake-server", "x86-64-v3", "x86-64"], ids=["avx512-without-amx", "avx2", "sse2"]
+)
 @pytest.mark.slow
-def test_the_builds_without_avx512_attend_prompts_the_same(march: str, tmp_path: Path) -> None:
-    """The kernel built without AVX-512 (fewer score accumulators and value dims a pass)."""
+def test_the_builds_without_amx_attend_prompts_the_same(march: str, tmp_path: Path) -> None:
+    """The kernel built without AMX (a bfloat16 cache's blocks in float32 FMAs, not on tiles:
+    `tl_prompt_amx.h`) and without AVX-512 (fewer score accumulators and value dims a pass)."""
     if os.uname().machine != "x86_64":
         pytest.skip("x86-64 levels")
     env = {**os.environ, "TRILLM_CPU_MARCH": march, "TRILLM_CACHE_DIR": str(tmp_path)}

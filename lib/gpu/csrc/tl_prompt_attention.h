@@ -34,10 +34,13 @@
 #endif
 
 /* Floats of a thread's `attend_block` work for `group` query heads of head_dim D: the
- * queries and outputs [group][D][QBLOCK], a key and a value block, two rotary rows. */
-static int64_t block_work_floats(int group, int D) {
+ * queries and outputs [group][D][QBLOCK], a key and a value block, two rotary rows; then
+ * `attend_block_amx`'s score and output tiles and weight rows (`tl_prompt_amx.h`). */
+static int64_t block_base_floats(int group, int D) {
     return 2 * (int64_t)group * D * QBLOCK + 2 * (int64_t)KBLOCK * D + 2 * (int64_t)D;
 }
+
+static int64_t block_work_floats(int group, int D) { return block_base_floats(group, D) + 3 * 256; }
 
 /* 16 scores a lane: s[c] = qt . key c, for the KBLOCK keys `kb` [KBLOCK][D]. */
 static inline void block_scores(const float *qt, const float *kb, int D, f32x16 *s) {
@@ -126,26 +129,17 @@ static inline void block_out(const float *ot, f32x16 inv, int n, int D, void *ou
     }
 }
 
-/* Tokens m0 .. m0 + n - 1 (n <= QBLOCK) of one sequence, whose context lengths run
- * ctx0, ctx0 + 1, ..., against kv head g: the query heads g * group ... normed, rotated and
- * attending over keys [first_key(ctx0), ctx0 + n - 1) from the cache, where the step's K/V
- * already are. `work`: block_work_floats(group, D). */
-static inline __attribute__((always_inline)) void attend_block_d(
-    const struct tl_model *md, const struct tl_step *st, int m0, int n, int g, float *work,
-    const int D) {
+/* The queries of tokens m0 .. m0 + n - 1 for kv head g's query heads, normed and rotated, as
+ * rows `rows_in` [group][QBLOCK][D] (zeros past n). `cbuf`, `sbuf`: D floats each. */
+static inline __attribute__((always_inline)) void block_queries(
+    const struct tl_model *md, const struct tl_step *st, int m0, int n, int g, float *rows_in,
+    float *cbuf, float *sbuf, const int D) {
     const int NH = md->num_heads, NKV = md->num_kv_heads, group = NH / NKV;
-    const int Q = NH * D, KV = NKV * D, NQKV = Q + 2 * KV, B = md->block_size, h0 = g * group;
-    const int rd = md->rotary_dim, ct = md->cache_type, window = st->layer->window;
+    const int Q = NH * D, NQKV = Q + 2 * NKV * D, h0 = g * group;
+    const int rd = md->rotary_dim, ct = md->cache_type, io = st->io_type;
     const struct tl_layer *L = st->layer;
     const int whole = md->qk_norm == QK_PROJECTION && L->q_norm;
-    float *qt = work, *ot = qt + (size_t)group * D * QBLOCK;
-    float *kbuf = ot + (size_t)group * D * QBLOCK;
-    float *vbuf = kbuf + (size_t)KBLOCK * D, *cbuf = vbuf + (size_t)KBLOCK * D;
-    float *sbuf = cbuf + D;
-    /* the queries as rows [head][token][D] in ot's room first, then transposed into qt */
-    float *rows_in = ot;
     if (n < QBLOCK) memset(rows_in, 0, sizeof(float) * (size_t)group * D * QBLOCK);
-    const int io = st->io_type;
     for (int t = 0; t < n; t++) {
         const void *row = elem_at(st->qkv, io, (size_t)(m0 + t) * NQKV);
         const float *c = NULL, *s = NULL;
@@ -158,11 +152,81 @@ static inline __attribute__((always_inline)) void attend_block_d(
             head_in(row, io, h0 + hh, D, L->q_norm, md->qk_norm, qinv, md->eps, c, s, rd,
                     rows_in + ((size_t)hh * QBLOCK + t) * D);
     }
+}
+
+/* A block's per-lane key bounds: lane t (token m0 + t; lanes past n copy the last token's)
+ * reads keys lo[t] <= j < ctx[t]. */
+struct block_bounds {
+    int ctx0, end, lo_max; /* the first and last token's context; the last's first key */
+    i32x16 ctx, lo;
+};
+
+static inline struct block_bounds block_bounds(const struct tl_step *st, int m0, int n) {
+    const int window = st->layer->window;
+    struct block_bounds b;
+    b.ctx0 = st->context_lens[m0];
+    b.end = b.ctx0 + n - 1;
+    const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    i32x16 ctx = b.ctx0 + lane;
+    b.ctx = (i32x16)((ctx & (ctx <= b.end)) | ((b.end + (i32x16){0}) & (ctx > b.end)));
+    b.lo = (i32x16){0};
+    if (window > 0) b.lo = (b.ctx - window) & (b.ctx > window);
+    b.lo_max = first_key(b.end, window);
+    return b;
+}
+
+/* One online-softmax step of a head over the KBLOCK keys from j0: scores `s` (one vector of
+ * lanes a key) soft-capped, masked, and turned into weights against the running max; the
+ * running sum updated. Returns the factor the head's output so far is rescaled by. */
+static inline __attribute__((always_inline)) f32x16 block_softmax(const struct tl_model *md, const struct block_bounds *b,
+                                   int j0, f32x16 *s, f32x16 *run_max, f32x16 *run_sum) {
+    const int masked = j0 + KBLOCK > b->ctx0 || j0 < b->lo_max;
+    const f32x16 minus_inf = (f32x16){0} - INFINITY;
+    if (md->softcap > 0.0f)
+        for (int c = 0; c < KBLOCK; c++) s[c] = tanh16(s[c] / md->softcap) * md->softcap;
+    if (masked) /* a masked score is -inf, and its weight 0 */
+        for (int c = 0; c < KBLOCK; c++) {
+            i32x16 valid = (j0 + c < b->ctx) & (j0 + c >= b->lo);
+            s[c] = (f32x16)(((i32x16)s[c] & valid) | ((i32x16)minus_inf & ~valid));
+        }
+    f32x16 chunk_max = s[0];
+    for (int c = 1; c < KBLOCK; c++) chunk_max = vmax(chunk_max, s[c]);
+    f32x16 new_max = vmax(*run_max, chunk_max);
+    /* a lane with no key yet (its window starts later) keeps max -inf: subtract 0 */
+    i32x16 seen = new_max > -INFINITY;
+    f32x16 base = (f32x16)((i32x16)new_max & seen);
+    f32x16 alpha = exp16(*run_max - base), sum = (f32x16){0};
+    if (masked)
+        for (int c = 0; c < KBLOCK; c++)
+            s[c] = (f32x16)((i32x16)exp16(s[c] - base) & (s[c] > minus_inf));
+    else
+        for (int c = 0; c < KBLOCK; c++) s[c] = exp16(s[c] - base);
+    for (int c = 0; c < KBLOCK; c++) sum += s[c];
+    *run_sum = *run_sum * alpha + sum;
+    *run_max = new_max;
+    return alpha;
+}
+
+/* Tokens m0 .. m0 + n - 1 (n <= QBLOCK) of one sequence, whose context lengths run
+ * ctx0, ctx0 + 1, ..., against kv head g: the query heads g * group ... normed, rotated and
+ * attending over keys [first_key(ctx0), ctx0 + n - 1) from the cache, where the step's K/V
+ * already are. `work`: block_work_floats(group, D). */
+static inline __attribute__((always_inline)) void attend_block_d(
+    const struct tl_model *md, const struct tl_step *st, int m0, int n, int g, float *work,
+    const int D) {
+    const int NH = md->num_heads, NKV = md->num_kv_heads, group = NH / NKV;
+    const int Q = NH * D, B = md->block_size, h0 = g * group;
+    const int ct = md->cache_type, io = st->io_type;
+    float *qt = work, *ot = qt + (size_t)group * D * QBLOCK;
+    float *kbuf = ot + (size_t)group * D * QBLOCK;
+    float *vbuf = kbuf + (size_t)KBLOCK * D, *cbuf = vbuf + (size_t)KBLOCK * D;
+    /* the queries as rows [head][token][D] in ot's room first, then transposed into qt */
+    block_queries(md, st, m0, n, g, ot, cbuf, cbuf + D, D);
     for (int hh = 0; hh < group; hh++) {
         for (int d0 = 0; d0 < D; d0 += 16) {
             f32x16 r[16];
             for (int t = 0; t < QBLOCK; t++)
-                r[t] = load_f32(rows_in + ((size_t)hh * QBLOCK + t) * D + d0) * md->scale;
+                r[t] = load_f32(ot + ((size_t)hh * QBLOCK + t) * D + d0) * md->scale;
             transpose16(r);
             for (int i = 0; i < 16; i++)
                 memcpy(qt + ((size_t)hh * D + d0 + i) * QBLOCK, &r[i], sizeof r[i]);
@@ -170,26 +234,20 @@ static inline __attribute__((always_inline)) void attend_block_d(
     }
     memset(ot, 0, sizeof(float) * (size_t)group * D * QBLOCK);
     const int32_t *table = st->tables + (size_t)st->rows[m0] * st->table_stride;
-    const int ctx0 = st->context_lens[m0], end = ctx0 + n - 1; /* the last token's context */
-    const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    i32x16 ctx = ctx0 + lane; /* lanes past n copy the last token's bounds */
-    ctx = (i32x16)((ctx & (ctx <= end)) | ((end + (i32x16){0}) & (ctx > end)));
-    i32x16 lo = (i32x16){0};
-    if (window > 0) lo = (ctx - window) & (ctx > window);
-    const int lo_max = first_key(end, window);
+    const struct block_bounds b = block_bounds(st, m0, n);
     f32x16 run_max[MAX_GROUP], run_sum[MAX_GROUP];
     for (int hh = 0; hh < group; hh++) {
         run_max[hh] = (f32x16){0} - INFINITY;
         run_sum[hh] = (f32x16){0};
     }
     const size_t row = (size_t)NKV * D;
-    for (int j0 = first_key(ctx0, window); j0 < end; j0 += KBLOCK) {
+    for (int j0 = first_key(b.ctx0, st->layer->window); j0 < b.end; j0 += KBLOCK) {
         /* the block's keys and values side by side (bfloat16 converted), zeros past the
          * last context: the score loops then broadcast from one base, not 16 pointers */
         for (int c = 0; c < KBLOCK; c++) {
             int j = j0 + c;
             float *kd = kbuf + (size_t)c * D, *vd = vbuf + (size_t)c * D;
-            if (j >= end) {
+            if (j >= b.end) {
                 memset(kd, 0, sizeof(float) * (size_t)D);
                 memset(vd, 0, sizeof(float) * (size_t)D);
                 continue;
@@ -208,33 +266,10 @@ static inline __attribute__((always_inline)) void attend_block_d(
                 memcpy(vd + i, &vv, sizeof vv);
             }
         }
-        const int masked = j0 + KBLOCK > ctx0 || j0 < lo_max;
-        const f32x16 minus_inf = (f32x16){0} - INFINITY;
         for (int hh = 0; hh < group; hh++) {
             f32x16 s[KBLOCK]; /* scores, then their weights */
             block_scores(qt + (size_t)hh * D * QBLOCK, kbuf, D, s);
-            if (md->softcap > 0.0f)
-                for (int c = 0; c < KBLOCK; c++) s[c] = tanh16(s[c] / md->softcap) * md->softcap;
-            if (masked) /* a masked score is -inf, and its weight 0 */
-                for (int c = 0; c < KBLOCK; c++) {
-                    i32x16 valid = (j0 + c < ctx) & (j0 + c >= lo);
-                    s[c] = (f32x16)(((i32x16)s[c] & valid) | ((i32x16)minus_inf & ~valid));
-                }
-            f32x16 chunk_max = s[0];
-            for (int c = 1; c < KBLOCK; c++) chunk_max = vmax(chunk_max, s[c]);
-            f32x16 new_max = vmax(run_max[hh], chunk_max);
-            /* a lane with no key yet (its window starts later) keeps max -inf: subtract 0 */
-            i32x16 seen = new_max > -INFINITY;
-            f32x16 base = (f32x16)((i32x16)new_max & seen);
-            f32x16 alpha = exp16(run_max[hh] - base), sum = (f32x16){0};
-            if (masked)
-                for (int c = 0; c < KBLOCK; c++)
-                    s[c] = (f32x16)((i32x16)exp16(s[c] - base) & (s[c] > minus_inf));
-            else
-                for (int c = 0; c < KBLOCK; c++) s[c] = exp16(s[c] - base);
-            for (int c = 0; c < KBLOCK; c++) sum += s[c];
-            run_sum[hh] = run_sum[hh] * alpha + sum;
-            run_max[hh] = new_max;
+            f32x16 alpha = block_softmax(md, &b, j0, s, &run_max[hh], &run_sum[hh]);
             block_values(ot + (size_t)hh * D * QBLOCK, vbuf, D, alpha, s);
         }
     }
@@ -244,11 +279,25 @@ static inline __attribute__((always_inline)) void attend_block_d(
                   (size_t)Q);
 }
 
+#include "tl_prompt_amx.h"
+
 /* `attend_block` with head_dim 64 and 128 compiled apart: a constant D makes each key's and
  * value's offset in the block an immediate, where a runtime D needed 16 index registers the
- * score loop reloaded from the stack. */
+ * score loop reloaded from the stack. A bfloat16 cache goes to the tile unit where there is
+ * one (`tl_prompt_amx.h`). */
 static void attend_block(const struct tl_model *md, const struct tl_step *st, int m0, int n,
                          int g, float *work) {
+#ifdef PROMPT_AMX
+    if (md->cache_type == TL_BF16 && md->head_dim % 32 == 0 && amx_on()) {
+        if (md->head_dim == 64)
+            attend_block_amx(md, st, m0, n, g, work, 64);
+        else if (md->head_dim == 128)
+            attend_block_amx(md, st, m0, n, g, work, 128);
+        else
+            attend_block_amx(md, st, m0, n, g, work, md->head_dim);
+        return;
+    }
+#endif
     if (md->head_dim == 64)
         attend_block_d(md, st, m0, n, g, work, 64);
     else if (md->head_dim == 128)
