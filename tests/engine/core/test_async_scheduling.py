@@ -120,6 +120,10 @@ def test_pause_and_sleep_mid_flight_answer_after_the_step_in_flight(client_for: 
     assert client.tokens[3] == reference.tokens[1]
 
 
+# Three TP 2 engines: `make test-slow`. The executor has no code of its own for steps ahead (the
+# base class's ReadyOutput); `make test` runs the engine's side above at TP 1 and the TP 2
+# executor in test_executor_multiproc.
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tp2_runs_steps_ahead_synchronously_with_the_same_tokens(client_for: object) -> None:
     """The multiprocess executor runs each step at once (no overlap), which is correct for
