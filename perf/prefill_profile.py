@@ -6,7 +6,8 @@ profiler's self time: oneDNN/MKL linears, attention (SDPA), everything else. The
 prompt's FLOPs over the machine's best fp32 matmul rate, as `compare.py` computes it.
 
     python perf/prefill_profile.py [--prompt-len 128] [--prompts 1] [--repeats 7] [--torch-silu]
-        [--torch-attention] [--torch-norm | --ab-norm | --ab-elementwise | --ab-attention-io]
+        [--torch-attention] [--torch-norm | --ab-norm | --ab-elementwise | --ab-attention-io
+        | --ab-base REV [--mixed B]]
         [--dtype bfloat16] [--threads N] [--cpu-time] [--glibc-default-malloc] [--no-profile]
         [--top N]
 
@@ -20,8 +21,15 @@ two step by step in this process and prints both medians and their ratio (`--ab-
 the norms and SiLU * up together, the C pair against torch's ops; with `--dtype bfloat16` the
 bfloat16 kernels); `--ab-attention-io` alternates the C attention taking the bfloat16
 forward's qkv and giving its output as they are against converting them to float32 and back
-(`CAttention.native_bf16`). `--threads N` sets torch's threads; `--cpu-time` times the A/B
-steps by the process's CPU time (with one thread, a busy machine's other work then counts less);
+(`CAttention.native_bf16`). `--ab-base REV` alternates this tree against git revision REV's
+C attention, norms and SiLU * up (built by `prompt_attention_bench.build_base`; the linears
+and the head stay this tree's), REV's side converting the attention's bfloat16 IO as before
+`io_type`: a before/after of the step's non-linear kernels in one process; with `--mixed B`
+its steps are mixed steps instead: B sequences of `--prompt-len` tokens decode while a new
+prompt as long arrives every other step (`_step_split.decode_and_mixed`; the C decode steps
+between stay this tree's), the median mixed step of each run compared. `--threads N`
+sets torch's threads; `--cpu-time` times the A/B steps by the process's CPU time (with one
+thread, a busy machine's other work then counts less);
 `--glibc-default-malloc` leaves glibc's mmap and trim thresholds as they are (the worker
 raises them: `_worker.keep_activations_in_heap`). `--top N` lists the N torch ops of most self
 time; `--no-profile` times the steps only. Besides the median it prints the first step (the
@@ -75,6 +83,11 @@ def main() -> None:
         "--ab-attention-io", action="store_true",
         help="alternate bfloat16 qkv/output to the C attention as they are and converted",
     )  # fmt: skip
+    p.add_argument(
+        "--ab-base", metavar="REV",
+        help="alternate this tree's attention and element-wise kernels against REV's build",
+    )  # fmt: skip
+    p.add_argument("--mixed", type=int, default=0, help="--ab-base: B decodes + a prompt")
     p.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     p.add_argument("--threads", type=int, default=0, help="torch's threads (0: as is)")
     p.add_argument("--cpu-time", action="store_true", help="A/B steps by process CPU time")
@@ -109,7 +122,7 @@ def main() -> None:
             str(model),
             device="cpu",
             dtype=args.dtype,
-            max_num_seqs=max(8, args.prompts),
+            max_num_seqs=max(8, args.prompts, args.mixed + 1),
             enforce_eager=args.torch_attention,
         )
     )
@@ -127,6 +140,9 @@ def main() -> None:
         return
     if args.ab_attention_io:
         ab_attention_io(worker, batch, args.repeats, clock)
+        return
+    if args.ab_base:
+        ab_base(worker, batch, args.repeats, clock, args.ab_base, args.mixed)
         return
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     times = [trillm_run(worker, batch, 1)[0] * 1e3 for _ in range(args.repeats)]
@@ -234,6 +250,67 @@ def ab_attention_io(
           f"{n / c:.3f} (median of the pairs' ratios {pairs:.3f}); native "
           + " ".join(f"{x:.0f}" for x in sides["native"])
           + "; converted " + " ".join(f"{x:.0f}" for x in sides["converted"]))  # fmt: skip
+
+
+def ab_base(
+    worker: Worker,
+    batch: list[list[int]],
+    repeats: int,
+    clock: Callable[[], float],
+    rev: str,
+    mixed: int,
+) -> None:
+    """Steps with this tree's C attention, norms and SiLU * up, and steps with `rev`'s (its
+    attention given float32 IO, as before `io_type`), alternated (the order flipped every
+    pair); with `mixed`, runs of mixed steps. Only the attention's calls and the element-wise
+    kernels take `rev`'s build: the C decode step and the tiled head read this tree's tiles."""
+    from _step_split import decode_and_mixed
+    from prompt_attention_bench import build_base
+
+    from trillm.gpu import SamplingOptions, _cpu_ops
+
+    step = worker.runner.cpu_step
+    if step is None:
+        raise SystemExit("the runner has no C step here (no compiler, or --enforce-eager)")
+    libs = {"new": step.lib, "base": build_base(rev)}
+    kernels, attend = _cpu_ops.tiled_kernels, CAttention.attend_qkv
+    chosen = [libs["new"]]
+
+    def attend_with(self: CAttention, *a: torch.Tensor) -> torch.Tensor:
+        self.decode.lib = chosen[0]
+        try:
+            return attend(self, *a)
+        finally:
+            self.decode.lib = libs["new"]
+
+    decoding = prompts(mixed, len(batch[0]), worker.runner.model_config.vocab_size)
+
+    def measure() -> float:
+        if not mixed:
+            return step_ms(worker, batch, clock)
+        steps = decode_and_mixed(worker, decoding, 12, SamplingOptions(temperature=0.0), clock)
+        return statistics.median(s["wall"] for s in steps[1]) * 1e3
+
+    sides: dict[str, list[float]] = {"new": [], "base": []}
+    CAttention.attend_qkv = attend_with  # type: ignore[method-assign]
+    try:
+        for r in range(repeats):
+            for side in ("new", "base") if r % 2 == 0 else ("base", "new"):
+                lib = chosen[0] = libs[side]
+                _cpu_ops.tiled_kernels = lambda lib=lib: lib  # type: ignore[misc]
+                CAttention.native_bf16 = side == "new"
+                sides[side].append(measure())
+    finally:
+        _cpu_ops.tiled_kernels, CAttention.native_bf16 = kernels, True
+        CAttention.attend_qkv = attend  # type: ignore[method-assign]
+    n, b = statistics.median(sides["new"]), statistics.median(sides["base"])
+    both = zip(sides["new"], sides["base"], strict=True)
+    pairs = statistics.median(x / y for x, y in both)
+    what = f"mixed steps ({mixed} decodes + a prompt)" if mixed else "steps"
+    print(f"{what}, {repeats} pairs against {rev}: new median {n:.1f} ms, base {b:.1f} ms, "
+          f"new / base {n / b:.3f} (median of the pairs' ratios {pairs:.3f}); new "
+          + " ".join(f"{x:.0f}" for x in sides["new"])
+          + "; base " + " ".join(f"{x:.0f}" for x in sides["base"]))  # fmt: skip
 
 
 if __name__ == "__main__":
