@@ -145,6 +145,7 @@ def test_a_missing_model_fails_start_up_with_the_cause(tmp_path: Path) -> None:
     assert not shm_names()
 
 
+@pytest.mark.slow  # the same parent-death signal: faults/test_frontend_death.py's [tp1] case
 def test_the_engine_exits_when_its_parent_dies(tiny_dir: Path) -> None:
     script = (
         "import sys, time\n"
