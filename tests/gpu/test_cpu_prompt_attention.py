@@ -66,6 +66,10 @@ CASES = [
     Case(4, 2, 64, ((0, 40), (9, 1), (3, 2)), dtype=torch.bfloat16, qk_norm="projection",
          io=torch.bfloat16, name="bf16-io-projection-norm"),
     Case(4, 2, 64, ((0, 40), (9, 1)), qk_norm="projection", name="projection-norm"),
+    # past PAIR_KEYS (256) keys a block pairs its values a step at a time (tl_prompt_amx.h)
+    Case(4, 2, 64, ((0, 300), (5, 40)), dtype=torch.bfloat16, name="bf16-long"),
+    Case(4, 2, 64, ((0, 300), (270, 20)), dtype=torch.bfloat16, window=100, softcap=30.0,
+         io=torch.bfloat16, name="bf16-window-cap"),
 ]  # fmt: skip
 
 

@@ -24,8 +24,10 @@
  * the same bfloat16 cache; perf/prompt_attention_bench.py, 11 rounds alternated): 16 x 128
  * tokens 4.29 against 5.75 ms, one 2048-token prompt 27.9 against 52.1 ms; a 16 x 128 prefill
  * step 849 against 913 ms, its attention 150 against 187 (`--step --dtype bfloat16 --threads 1
- * --cpu-time`). What remains is the softmax, the output rows' rescale after each key block
- * (the tile unit cannot scale its sums) and writing the rows.
+ * --cpu-time`). Head dim 64 then keeps each head's sums in tiles over all its keys
+ * (`attend_block_amx64`, lazy rescale): against the per-block rescale, 16 x 128 3.80 against
+ * 3.98 ms, 1 x 2048 20.2 against 26.4 ms, the step 705 against 724 ms and its attention 118
+ * against 138 (the same commands, alternated). What remains is mostly the softmax's exp.
  */
 #ifndef TL_PROMPT_AMX_H
 #define TL_PROMPT_AMX_H
@@ -52,6 +54,18 @@ static inline void prompt_amx_configure(void) {
 
 /* Values 2i and 2i + 1 (`a`, `b`: D bfloat16 each, D % 32 == 0) interleaved into `out` [D]
  * words: the tile unit's B operand for weights [lane][key] . values [key][d]. */
+/* Eight tiles of 16 rows x 64 bytes (`attend_block_amx64`). */
+static inline void prompt_amx_configure_square(void) {
+    struct amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c.rows[i] = 16;
+        c.colsb[i] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
 static inline void pair_rows(const uint16_t *a, const uint16_t *b, int D, uint32_t *out) {
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
                                         40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
@@ -62,6 +76,201 @@ static inline void pair_rows(const uint16_t *a, const uint16_t *b, int D, uint32
         _mm512_storeu_si512(out + d, _mm512_permutex2var_epi16(x, lo, y));
         _mm512_storeu_si512(out + d + 16, _mm512_permutex2var_epi16(x, hi, y));
     }
+}
+
+/* The queries' pairs of a block: each row scaled and rounded (its words are its pairs), the
+ * 16 rows' words transposed into `qp` [group][D / 2][QBLOCK]. `rows` [group][QBLOCK][D];
+ * `bf`: QBLOCK * D bfloat16 of room. */
+static inline void query_pairs(const float *rows, int group, int D, float scale, uint16_t *bf,
+                               uint32_t *qp) {
+    for (int hh = 0; hh < group; hh++) {
+        for (int t = 0; t < QBLOCK; t++)
+            for (int d = 0; d < D; d += 16)
+                store_bf16(bf + (size_t)t * D + d,
+                           load_f32(rows + ((size_t)hh * QBLOCK + t) * D + d) * scale);
+        for (int p0 = 0; p0 < D / 2; p0 += 16) {
+            f32x16 r[16];
+            for (int t = 0; t < QBLOCK; t++) memcpy(&r[t], bf + (size_t)t * D + 2 * p0, 64);
+            transpose16(r);
+            for (int i = 0; i < 16; i++)
+                memcpy(qp + ((size_t)hh * (D / 2) + p0 + i) * QBLOCK, &r[i], sizeof r[i]);
+        }
+    }
+}
+
+/* How far a lane's weights may grow past 1 before its output tiles are rescaled: e^8. */
+#define LAZY_RESCALE 8.0f
+
+/* `attend_block_amx` for head_dim 64, each head's output kept in four tiles over all its keys
+ * (tiles 4-7), so the sums are not stored, rescaled and reloaded after every key block: a
+ * lane's weights are taken against a reference max that moves only when a score passes it by
+ * more than LAZY_RESCALE (weights then up to e^8, exact enough in float32 sums and bfloat16
+ * weights), and only then are the tiles rescaled. 32 keys a step: the weights [lane][32 keys]
+ * and the values' 16 key pairs fill whole 16 x 64-byte tiles, as the keys and queries do, so
+ * tiles 0 and 1 take both products. Heads one after another (the tiles hold one head). */
+static __attribute__((noinline)) void attend_block_amx64(const struct tl_model *md,
+                                                          const struct tl_step *st, int m0, int n,
+                                                          int g, float *work) {
+    enum { D = 64, KSTEP = 2 * KBLOCK };
+    const int NH = md->num_heads, NKV = md->num_kv_heads, group = NH / NKV;
+    const int Q = NH * D, B = md->block_size, h0 = g * group, io = st->io_type;
+    float *rows = work + (size_t)group * D * QBLOCK; /* queries, then outputs [head][lane][D] */
+    uint32_t *qp = (uint32_t *)work;
+    uint16_t *kb = (uint16_t *)(rows + (size_t)group * D * QBLOCK); /* [KSTEP][D] */
+    uint32_t *vp = (uint32_t *)(kb + (size_t)KSTEP * D);            /* [KSTEP / 2][D] */
+    float *cbuf = (float *)(vp + (size_t)KSTEP / 2 * D), *sbuf = cbuf + D;
+    float *stile = work + block_base_floats(group, D); /* two score tiles */
+    uint16_t *ptile = (uint16_t *)(stile + 512);       /* [lane][KSTEP] weights */
+    uint32_t *vpairs = (uint32_t *)(stile + 768);      /* [PAIR_KEYS / 2][D], shared */
+    block_queries(md, st, m0, n, g, rows, cbuf, sbuf, D);
+    query_pairs(rows, group, D, md->scale, kb, qp);
+    const int32_t *table = st->tables + (size_t)st->rows[m0] * st->table_stride;
+    const struct block_bounds b = block_bounds(st, m0, n);
+    const size_t row = (size_t)NKV * D, stride = row * sizeof(uint16_t);
+    const uint16_t *kc = (const uint16_t *)st->k_cache, *vc = (const uint16_t *)st->v_cache;
+    const f32x16 minus_inf = (f32x16){0} - INFINITY;
+    const int first = first_key(b.ctx0, st->layer->window);
+    /* the value pairs once for every head where the block's keys fit, else a step's at a time */
+    const int steps_end = first + (b.end - first + KSTEP - 1) / KSTEP * KSTEP;
+    const int shared = steps_end - first <= PAIR_KEYS;
+    uint16_t *zero = (uint16_t *)cbuf; /* a row of zeros, past the context's end */
+    memset(zero, 0, sizeof(uint16_t) * D);
+    for (int j0 = first; shared && j0 < steps_end; j0 += 2) {
+        const uint16_t *pair[2];
+        for (int c = 0; c < 2; c++) {
+            int j = j0 + c;
+            pair[c] = j >= b.end ? zero
+                                 : vc + ((size_t)table[j / B] * B + (size_t)(j % B)) * row +
+                                       (size_t)g * D;
+        }
+        pair_rows(pair[0], pair[1], D, vpairs + (size_t)(j0 - first) / 2 * D);
+    }
+    prompt_amx_configure_square();
+    for (int hh = 0; hh < group; hh++) {
+        float *out = rows + (size_t)hh * QBLOCK * D;
+        f32x16 ref = minus_inf, run_sum = (f32x16){0};
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        for (int j0 = first; j0 < b.end; j0 += KSTEP) {
+            const uint16_t *keys[2];
+            size_t kstride[2];
+            const uint16_t *vr[KSTEP];
+            for (int half = 0; half < 2; half++) { /* in place where 16 rows of a cache block */
+                int k0 = j0 + half * KBLOCK;
+                int whole = k0 + KBLOCK <= b.end && k0 % B + KBLOCK <= B;
+                keys[half] = kb + (size_t)half * KBLOCK * D;
+                kstride[half] = (size_t)D * sizeof(uint16_t);
+                for (int c = 0; c < KBLOCK; c++) {
+                    int j = k0 + c;
+                    uint16_t *kd = kb + (size_t)(half * KBLOCK + c) * D;
+                    if (j >= b.end) {
+                        memset(kd, 0, sizeof(uint16_t) * D);
+                        vr[half * KBLOCK + c] = kd; /* zeros: weight 0 times zero */
+                        continue;
+                    }
+                    size_t off = ((size_t)table[j / B] * B + (size_t)(j % B)) * row + (size_t)g * D;
+                    if (whole && c == 0) {
+                        keys[half] = kc + off;
+                        kstride[half] = stride;
+                    }
+                    if (!whole) memcpy(kd, kc + off, sizeof(uint16_t) * D);
+                    vr[half * KBLOCK + c] = vc + off;
+                }
+            }
+            const uint32_t *vs = vp;
+            if (shared)
+                vs = vpairs + (size_t)(j0 - first) / 2 * D;
+            else
+                for (int c = 0; c < KSTEP; c += 2)
+                    pair_rows(vr[c], vr[c + 1], D, vp + (size_t)c / 2 * D);
+            f32x16 s[KSTEP];
+            const int nk = b.end - j0 > KBLOCK ? KSTEP : KBLOCK; /* a last half step: 16 */
+            for (int half = 0; half < nk / KBLOCK; half++) {
+                _tile_zero(2);
+                _tile_loadd(0, keys[half], kstride[half]);
+                _tile_loadd(1, qp + (size_t)hh * (D / 2) * QBLOCK, 64);
+                _tile_dpbf16ps(2, 0, 1);
+                _tile_loadd(0, keys[half] + 32, kstride[half]);
+                _tile_loadd(1, qp + ((size_t)hh * (D / 2) + 16) * QBLOCK, 64);
+                _tile_dpbf16ps(2, 0, 1);
+                _tile_stored(2, stile + half * 256, 64);
+            }
+            for (int c = 0; c < nk; c++) s[c] = load_f32(stile + c * 16);
+            const int masked = j0 + nk > b.ctx0 || j0 < b.lo_max;
+            if (md->softcap > 0.0f)
+                for (int c = 0; c < nk; c++) s[c] = tanh16(s[c] / md->softcap) * md->softcap;
+            if (masked)
+                for (int c = 0; c < nk; c++) {
+                    i32x16 valid = (j0 + c < b.ctx) & (j0 + c >= b.lo);
+                    s[c] = (f32x16)(((i32x16)s[c] & valid) | ((i32x16)minus_inf & ~valid));
+                }
+            f32x16 chunk_max = s[0];
+            for (int c = 1; c < nk; c++) chunk_max = vmax(chunk_max, s[c]);
+            i32x16 moved = chunk_max > ref + LAZY_RESCALE; /* -inf + 8 is -inf: a first key */
+            if (hmax((f32x16)((i32x16)((f32x16){0} + 1.0f) & moved)) > 0.0f) {
+                f32x16 new_ref = (f32x16)(((i32x16)chunk_max & moved) | ((i32x16)ref & ~moved));
+                i32x16 seen = new_ref > -INFINITY;
+                f32x16 alpha = exp16(ref - (f32x16)((i32x16)new_ref & seen));
+                alpha = (f32x16)((i32x16)alpha & (ref > -INFINITY)); /* from nothing: 0 */
+                alpha = (f32x16)(((i32x16)alpha & moved) | ((i32x16)((f32x16){0} + 1.0f) & ~moved));
+                run_sum *= alpha;
+                _tile_stored(4, out, D * sizeof(float));
+                _tile_stored(5, out + 16, D * sizeof(float));
+                _tile_stored(6, out + 32, D * sizeof(float));
+                _tile_stored(7, out + 48, D * sizeof(float));
+                for (int t = 0; t < QBLOCK; t++)
+                    for (int d = 0; d < D; d += 16) {
+                        f32x16 o = load_f32(out + (size_t)t * D + d) * alpha[t];
+                        memcpy(out + (size_t)t * D + d, &o, sizeof o);
+                    }
+                _tile_loadd(4, out, D * sizeof(float));
+                _tile_loadd(5, out + 16, D * sizeof(float));
+                _tile_loadd(6, out + 32, D * sizeof(float));
+                _tile_loadd(7, out + 48, D * sizeof(float));
+                ref = new_ref;
+            }
+            const f32x16 base = (f32x16)((i32x16)ref & (ref > -INFINITY));
+            f32x16 sum = (f32x16){0};
+            for (int c = 0; c < nk; c++) {
+                s[c] = (f32x16)((i32x16)exp16(s[c] - base) & (s[c] > minus_inf));
+                sum += s[c];
+            }
+            for (int c = nk; c < KSTEP; c++) s[c] = (f32x16){0}; /* keys past the end */
+            run_sum += sum;
+            transpose16(s); /* s[lane]: keys 0-15's weights; s[16 + lane]: keys 16-31's */
+            transpose16(s + KBLOCK);
+            for (int t = 0; t < QBLOCK; t++) {
+                __m512bh w = _mm512_cvtne2ps_pbh((__m512)s[KBLOCK + t], (__m512)s[t]);
+                memcpy(ptile + t * KSTEP, &w, sizeof w);
+            }
+            _tile_loadd(0, ptile, KSTEP * sizeof(uint16_t));
+            _tile_loadd(1, vs, D * sizeof(uint32_t));
+            _tile_dpbf16ps(4, 0, 1);
+            _tile_loadd(1, vs + 16, D * sizeof(uint32_t));
+            _tile_dpbf16ps(5, 0, 1);
+            _tile_loadd(1, vs + 32, D * sizeof(uint32_t));
+            _tile_dpbf16ps(6, 0, 1);
+            _tile_loadd(1, vs + 48, D * sizeof(uint32_t));
+            _tile_dpbf16ps(7, 0, 1);
+        }
+        _tile_stored(4, out, D * sizeof(float));
+        _tile_stored(5, out + 16, D * sizeof(float));
+        _tile_stored(6, out + 32, D * sizeof(float));
+        _tile_stored(7, out + 48, D * sizeof(float));
+        const f32x16 inv = 1.0f / run_sum;
+        void *dst = (void *)elem_at(st->out, io, (size_t)m0 * Q + (size_t)(h0 + hh) * D);
+        for (int t = 0; t < n; t++)
+            for (int d = 0; d < D; d += 16) {
+                f32x16 v = load_f32(out + (size_t)t * D + d) * inv[t];
+                if (io == TL_F32)
+                    memcpy((float *)dst + (size_t)t * Q + d, &v, sizeof v);
+                else
+                    store_bf16((uint16_t *)dst + (size_t)t * Q + d, v);
+            }
+    }
+    _tile_release();
 }
 
 static __attribute__((noinline)) void attend_block_amx(

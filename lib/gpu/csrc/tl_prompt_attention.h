@@ -35,12 +35,17 @@
 
 /* Floats of a thread's `attend_block` work for `group` query heads of head_dim D: the
  * queries and outputs [group][D][QBLOCK], a key and a value block, two rotary rows; then
- * `attend_block_amx`'s score and output tiles and weight rows (`tl_prompt_amx.h`). */
+ * `attend_block_amx`'s score and output tiles and weight rows, and up to PAIR_KEYS keys'
+ * value pairs (`tl_prompt_amx.h`). */
 static int64_t block_base_floats(int group, int D) {
     return 2 * (int64_t)group * D * QBLOCK + 2 * (int64_t)KBLOCK * D + 2 * (int64_t)D;
 }
 
-static int64_t block_work_floats(int group, int D) { return block_base_floats(group, D) + 3 * 256; }
+#define PAIR_KEYS 256 /* keys whose value pairs `attend_block_amx64` makes once for all heads */
+
+static int64_t block_work_floats(int group, int D) {
+    return block_base_floats(group, D) + 3 * 256 + (int64_t)PAIR_KEYS / 2 * D;
+}
 
 /* 16 scores a lane: s[c] = qt . key c, for the KBLOCK keys `kb` [KBLOCK][D]. */
 static inline void block_scores(const float *qt, const float *kb, int D, f32x16 *s) {
@@ -290,7 +295,7 @@ static void attend_block(const struct tl_model *md, const struct tl_step *st, in
 #ifdef PROMPT_AMX
     if (md->cache_type == TL_BF16 && md->head_dim % 32 == 0 && amx_on()) {
         if (md->head_dim == 64)
-            attend_block_amx(md, st, m0, n, g, work, 64);
+            attend_block_amx64(md, st, m0, n, g, work);
         else if (md->head_dim == 128)
             attend_block_amx(md, st, m0, n, g, work, 128);
         else
