@@ -1,6 +1,7 @@
 """Stop strings with `--async-scheduling`: the frontend cuts the text and aborts the request
 while the engine may have a step in flight for it; the client sees what the synchronous
-engine gives, stop string, reason and all (the tiny model, a real engine process)."""
+engine gives, stop string, reason and all (the tiny model, an engine in process: the same
+rings, client and engine core as a process, without three process starts)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ async def completions(config: LLMConfig, stops: list[str] | None) -> list[tuple[
 
 @pytest.mark.timeout(240)
 async def test_stop_strings_cut_the_same_text_with_async_scheduling(tiny_dir: Path) -> None:
-    sync = llm_config(tiny_dir)
+    sync = llm_config(tiny_dir, in_process=True)  # the same engine core, no process starts
     ahead = dataclasses.replace(
         sync, engine=msgspec.structs.replace(sync.engine, async_scheduling=True)
     )

@@ -181,7 +181,9 @@ async def test_preemption_keeps_the_grammar_state(tiny_dir: Path) -> None:
     """A KV cache of 8 blocks of 16 tokens for 6 requests of ~100 tokens: requests are
     preempted and recomputed, and each output still validates."""
     # 2 layers x 2 kv heads x 16 dim x 4 bytes x 2 (K, V) x 16 tokens = 8 KiB per block.
-    async with open_llm(config(tiny_dir, kv_bytes=8 * 8192, max_model_len=128)) as llm:
+    # In process: preemption is the engine core's, the same on a thread (no process start).
+    cramped = config(tiny_dir, kv_bytes=8 * 8192, max_model_len=128, in_process=True)
+    async with open_llm(cramped) as llm:
         outputs: list[str] = []
 
         async def one(seed: int) -> None:
@@ -215,7 +217,8 @@ async def test_an_engine_compile_past_its_timeout_fails_only_that_request(
     generous one here): the request fails alone, naming the flag, and the engine goes on."""
     from trillm.engine.client._structured import GrammarChecker, build_ll_tokenizer
 
-    async with open_llm(config(tiny_dir, timeout=1e-9)) as llm:
+    # In process: the deadline is the engine core's, the same on a thread (no process start).
+    async with open_llm(config(tiny_dir, timeout=1e-9, in_process=True)) as llm:
         tokenizer, vocab = llm.tokenizer, llm.ready.vocab_size
         llm._grammar_checker = GrammarChecker(
             lambda: build_ll_tokenizer(tokenizer, vocab), timeout=60
