@@ -103,6 +103,10 @@ def test_abort_mid_decode_frees_the_blocks(client_for: object) -> None:
     assert stats["num_running"] == 0 and stats["kv_usage"] == 0.0
 
 
+# `make test` keeps this DEAD record through the client (test_async_llm's injected forward
+# exception, split) and through the server, with its exit code and swept names
+# (faults/test_worker_faults.py's TP 1 case).
+@pytest.mark.slow
 def test_an_exception_in_forward_yields_dead_naming_the_function(client_for: object) -> None:
     client: EngineClient = client_for(inject_fault="forward:0:2")  # type: ignore[operator]
     client.add(1, list(range(10, 30)), max_tokens=20)
