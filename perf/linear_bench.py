@@ -6,12 +6,15 @@ forward), at M tokens. Best of `--repeats`, interleaved so both see the same mac
 MKL keeps to AVX2 on AMD CPUs; oneDNN uses AVX-512 where the CPU has it (`lib/gpu/_cpu_linear.py`).
 
     python perf/linear_bench.py [--tokens 1,32,128] [--dtypes float32,bfloat16]
-    python perf/linear_bench.py --tiled [--tokens 1,8,32,128,512]
+    python perf/linear_bench.py --tiled [--tokens 1,8,32,128,512] [--threads 1 --cpu-time]
 
 `--tiled` times trillm's C tiles (`lib/gpu/_tiles.py`) the same way: float32 tiles against
 oneDNN's packed float32, and the weights as GGUF Q4_1 blocks in C tiles (float32 activations)
 against torch's int4 kernel over the same nibbles (`_weight_int4pack_mm_for_cpu`, bfloat16
 activations: what `--quantization gguf` ran before the tiles).
+
+On a busy machine two threads wait for each other while other work holds the cores, and wall
+times mean little: `--threads 1 --cpu-time` times one thread by the process's CPU time.
 """
 
 from __future__ import annotations
@@ -39,13 +42,15 @@ def forward(
             linear(x, w)
 
 
-def best_ms(run: Callable[[], object], repeats: int) -> float:
+def best_ms(
+    run: Callable[[], object], repeats: int, clock: Callable[[], float] = time.perf_counter
+) -> float:
     run()
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         run()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return best * 1e3
 
 
@@ -67,7 +72,10 @@ def tiled_main(args: argparse.Namespace) -> None:
         "int4_bf16": [[Int4Weight([q], q.shape[0]) for q in layer] for layer in q4],
         "c_q4_1": [[TiledLinear(quantized_tiles([q]), q.shape[0]) for q in layer] for layer in q4],
     }
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; best ms of a forward")
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    what = "CPU" if args.cpu_time else "wall"
+    threads = torch.get_num_threads()
+    print(f"torch {torch.__version__}, {threads} threads; best {what} ms of a forward")
     print(f"{'M':>4} " + " ".join(f"{name:>11}" for name in kernels))
     for m in map(int, args.tokens.split(",")):
         xs = [torch.randn(m, k) for k, _ in SHAPES]
@@ -75,7 +83,7 @@ def tiled_main(args: argparse.Namespace) -> None:
         best = dict.fromkeys(runs, float("inf"))
         for _ in range(3):  # interleaved: every kernel sees the same machine state
             for name, run in runs.items():
-                best[name] = min(best[name], best_ms(run, args.repeats))
+                best[name] = min(best[name], best_ms(run, args.repeats, clock))
         print(f"{m:>4} " + " ".join(f"{best[name]:>11.2f}" for name in kernels), flush=True)
 
 
@@ -99,7 +107,11 @@ def main() -> None:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--tiled", action="store_true", help="trillm's C tiles (see above)")
+    p.add_argument("--threads", type=int, default=0, help="--tiled: torch threads (0: as is)")
+    p.add_argument("--cpu-time", action="store_true", help="--tiled: process CPU time")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.tiled:
         tiled_main(args)
         return

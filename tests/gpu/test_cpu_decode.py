@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from trillm.default_model import default_model_dir
 from trillm.gpu import SamplingOptions, Worker, WorkerConfig, _cpu_decode, _native
 from trillm.gpu._gguf_blocks import Q4_0, Q4_1, Q8_0
-from trillm.gpu._tiles import quantized_tiles, tile, tiled_kernels
+from trillm.gpu._tiles import TiledLinear, dense_tiles, quantized_tiles, tile, tiled_kernels
 
 from .conftest import make_runner
 from .driver import Driver, DriverRequest
@@ -200,6 +200,18 @@ def test_c_linear_matches_torch() -> None:
         torch.testing.assert_close(out, x @ weight.T, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_tile_pairs_match_torch_across_k_spans_and_token_blocks(dtype: torch.dtype) -> None:
+    """A pair of tiles runs K in spans (`PAIR_KC`, 128) against blocks of 12, 8, 4, 2, 1
+    tokens, at most `PAIR_TOKENS` (64) a pass, fetching into the next pair: K = 300 is two
+    spans and a part, 88 rows are 3 pairs and no single tile, 5 tiles end on one; M from 4 (the
+    smallest that pairs) past 64."""
+    for n, k, m in ((88, 300, 13), (80, 300, 70), (88, 129, 32), (40, 256, 4), (64, 96, 7)):
+        weight, x = torch.randn(n, k).to(dtype), torch.randn(m, k)
+        out = TiledLinear(dense_tiles(weight), n)(x)
+        torch.testing.assert_close(out, x @ weight.float().T, rtol=1e-5, atol=2e-4)
+
+
 def test_default_model_greedy_tokens_match_torch() -> None:
     """SmolLM2-135M itself: the built-in model's tokens through both paths."""
     model_dir = default_model_dir(progress=False)
@@ -282,6 +294,9 @@ for dtype in (torch.float32, torch.bfloat16):
     w = torch.randn(40, 96).to(dtype)
     out = TiledLinear(dense_tiles(w), 40)(x)
     torch.testing.assert_close(out, x @ w.float().T, rtol=1e-5, atol=1e-4)
+    w, x2 = torch.randn(88, 300).to(dtype), torch.randn(70, 300)  # K spans, token blocks
+    out = TiledLinear(dense_tiles(w), 88)(x2)
+    torch.testing.assert_close(out, x2 @ w.float().T, rtol=1e-5, atol=2e-4)
 from pathlib import Path
 from tests.gpu.conftest import make_runner, save_tiny
 from tests.gpu.driver import Driver, DriverRequest

@@ -52,48 +52,107 @@
 DEFINE_TILE_DOTS(f32, float, load_f32)
 DEFINE_TILE_DOTS(bf16, uint16_t, load_bf16)
 
-/* Two adjacent tiles against ROWS tokens: each x[k] broadcast feeds both tiles' FMAs, so
- * at 8 tokens 16 FMAs cost 10 loads instead of 18 (the larger decode batches are FMA-bound).
- * acc0 = tile w0, acc1 = tile w1. `pf`: the same k of the next pair (2 * K * 16 elements
- * on), fetched as it goes (see `pair_dot`), or w0 itself. */
-#define DEFINE_PAIR_DOT(NAME, WT, LOAD, ROWS)                                                 \
-    static inline void NAME(const WT *w0, const WT *w1, int K, const float *x, int ldx,     \
-                            f32x16 *acc0, f32x16 *acc1, const WT *pf) {                      \
+/* Two adjacent tiles (w1 = w0 + K * 16) against ROWS tokens over k0 <= k < k1: each x[k]
+ * broadcast feeds both tiles' FMAs (at 12 tokens 24 FMAs cost 14 loads). The sums s0 (tile
+ * w0) and s1 (w1) carry on from the span before (from 0 at k0 == 0): one chain per token and
+ * tile, adding in the order of k, as one span over all of K would. `pf` (NULL: none): fetched
+ * as it goes, one row of it and of the tile K * 16 elements after it every `every` k. */
+#define DEFINE_PAIR_SPAN(NAME, WT, LOAD, ROWS)                                                \
+    static inline void NAME(const WT *w0, int K, int k0, int k1, const float *x, int ldx,   \
+                            f32x16 *s0, f32x16 *s1, const WT *pf, int every) {               \
+        const WT *w1 = w0 + (size_t)K * 16;                                                   \
         f32x16 a[ROWS], b[ROWS];                                                              \
-        const size_t pf1 = pf == w0 ? 0 : (size_t)K * 16;                                     \
-        for (int i = 0; i < ROWS; i++) a[i] = b[i] = (f32x16){0};                             \
-        for (int k = 0; k < K; k++) {                                                         \
-            __builtin_prefetch(pf + (size_t)k * 16, 0, 3);                                    \
-            __builtin_prefetch(pf + pf1 + (size_t)k * 16, 0, 3);                              \
-            f32x16 u = LOAD(w0 + (size_t)k * 16), v = LOAD(w1 + (size_t)k * 16);              \
-            for (int i = 0; i < ROWS; i++) {                                                  \
-                float xv = x[i * ldx + k];                                                    \
-                a[i] += u * xv;                                                               \
-                b[i] += v * xv;                                                               \
+        for (int i = 0; i < ROWS; i++) {                                                      \
+            a[i] = k0 ? s0[i] : (f32x16){0};                                                  \
+            b[i] = k0 ? s1[i] : (f32x16){0};                                                  \
+        }                                                                                     \
+        if (pf) {                                                                             \
+            for (int k = k0, due = k0; k < k1; k++) {                                         \
+                if (k == due) {                                                               \
+                    __builtin_prefetch(pf, 0, 3);                                             \
+                    __builtin_prefetch(pf + (size_t)K * 16, 0, 3);                            \
+                    pf += 16;                                                                 \
+                    due += every;                                                             \
+                }                                                                             \
+                PAIR_STEP(LOAD, ROWS);                                                        \
             }                                                                                 \
+        } else {                                                                              \
+            for (int k = k0; k < k1; k++) PAIR_STEP(LOAD, ROWS);                              \
         }                                                                                     \
         for (int i = 0; i < ROWS; i++) {                                                      \
-            acc0[i] = a[i];                                                                   \
-            acc1[i] = b[i];                                                                   \
+            s0[i] = a[i];                                                                     \
+            s1[i] = b[i];                                                                     \
         }                                                                                     \
     }
 
-#define DEFINE_PAIR_DOTS(SUFFIX, WT, LOAD)                                                    \
-    DEFINE_PAIR_DOT(pair8_##SUFFIX, WT, LOAD, 8)                                              \
-    DEFINE_PAIR_DOT(pair4_##SUFFIX, WT, LOAD, 4)                                              \
-    static int pair_dot_##SUFFIX(const WT *w0, const WT *w1, int K, const float *x, int ldx,  \
-                                 int rows, f32x16 *acc0, f32x16 *acc1, const WT *pf) {       \
-        if (rows >= 8 && MAX_ROWS >= 8) {                                                     \
-            pair8_##SUFFIX(w0, w1, K, x, ldx, acc0, acc1, pf);                                \
-            return 8;                                                                         \
+#define PAIR_STEP(LOAD, ROWS)                                                                 \
+    do {                                                                                      \
+        f32x16 u = LOAD(w0 + (size_t)k * 16), v = LOAD(w1 + (size_t)k * 16);                  \
+        for (int i = 0; i < ROWS; i++) {                                                      \
+            float xv = x[i * ldx + k];                                                        \
+            a[i] += u * xv;                                                                   \
+            b[i] += v * xv;                                                                   \
         }                                                                                     \
-        pair4_##SUFFIX(w0, w1, K, x, ldx, acc0, acc1, pf);                                    \
-        return 4;                                                                             \
+    } while (0)
+
+#define PAIR_KC 128     /* k of a pair a span covers: 16 KB of float32 rows, held in L1 */
+#define PAIR_FETCH 192  /* the rows a span fetches start this many k past its own */
+#define PAIR_TOKENS 64  /* tokens a `pair_rows` call takes: its sums are 2 x 64 x 64 bytes */
+
+/* The block of tokens a pair's pass takes next, of `left`: as many as the registers hold. */
+static inline int pair_block(int left) {
+    if (left >= 12 && MAX_ROWS >= 8) return 12; /* 24 accumulators of 32 registers */
+    if (left >= 8 && MAX_ROWS >= 8) return 8;
+    return left >= 4 ? 4 : left >= 2 ? 2 : 1;
+}
+
+/* Tiles t and t + 1 (w0, and the tile after it) against `rows` tokens, PAIR_TOKENS at most;
+ * returns how many it did. K-blocked: PAIR_KC k of the pair against every block of tokens in
+ * turn (M = 32: 12 + 12 + 8), so a weight row comes from memory for the first block and from
+ * L1 for the others. The blocks share the fetch of the rows PAIR_FETCH k on (each its part,
+ * a row every `blocks` k), so memory streams at one rate through the pass; with `more`
+ * (tiles t + 2, t + 3 exist, next in memory) the fetch runs on into them.
+ *
+ * Before, each block of 8 tokens ran all of K: the pair (up to 196 KB) came from memory in a
+ * burst during the first block, which also fetched all of the next pair, and from L2 for the
+ * others. SmolLM2-135M's 120 float32 linears, one thread, CPU time, two alternated runs of
+ * each (`linear_bench.py --tiled --threads 1 --cpu-time`, a busy machine), before -> after:
+ * M=16 47.8, 51.1 -> 42.6, 42.1 ms; M=32 70.8, 76.6 -> 58.1, 60.4 (0.87x oneDNN's time ->
+ * 0.68x); M=64 124.5, 119.1 -> 105.7, 113.1; M=8 within 5%, M=1 (one tile a token) as was. */
+#define DEFINE_PAIR_ROWS(SUFFIX, WT, LOAD)                                                    \
+    DEFINE_PAIR_SPAN(span12_##SUFFIX, WT, LOAD, 12)                                           \
+    DEFINE_PAIR_SPAN(span8_##SUFFIX, WT, LOAD, 8)                                             \
+    DEFINE_PAIR_SPAN(span4_##SUFFIX, WT, LOAD, 4)                                             \
+    DEFINE_PAIR_SPAN(span2_##SUFFIX, WT, LOAD, 2)                                             \
+    DEFINE_PAIR_SPAN(span1_##SUFFIX, WT, LOAD, 1)                                             \
+    static int pair_rows_##SUFFIX(const WT *w0, int K, const float *x, int ldx, int rows,   \
+                                  f32x16 *s0, f32x16 *s1, int more) {                        \
+        if (rows > PAIR_TOKENS) rows = PAIR_TOKENS;                                           \
+        int blocks = 0;                                                                       \
+        for (int m = 0; m < rows; blocks++) m += pair_block(rows - m);                        \
+        for (int k0 = 0; k0 < K; k0 += PAIR_KC) {                                             \
+            const int k1 = K - k0 < PAIR_KC ? K : k0 + PAIR_KC, kp = k0 + PAIR_FETCH;        \
+            const int share = (k1 - k0 + blocks - 1) / blocks;                                \
+            const WT *pf = kp < K                ? w0 + (size_t)kp * 16                       \
+                           : more && kp < 2 * K ? w0 + (size_t)(K + kp) * 16                  \
+                                                : NULL;                                       \
+            for (int m = 0, n; m < rows; m += n, pf = pf ? pf + (size_t)share * 16 : NULL) { \
+                const float *xm = x + (size_t)m * ldx;                                        \
+                f32x16 *a = s0 + m, *b = s1 + m;                                              \
+                switch (n = pair_block(rows - m)) {                                           \
+                case 12: span12_##SUFFIX(w0, K, k0, k1, xm, ldx, a, b, pf, blocks); break;   \
+                case 8: span8_##SUFFIX(w0, K, k0, k1, xm, ldx, a, b, pf, blocks); break;     \
+                case 4: span4_##SUFFIX(w0, K, k0, k1, xm, ldx, a, b, pf, blocks); break;     \
+                case 2: span2_##SUFFIX(w0, K, k0, k1, xm, ldx, a, b, pf, blocks); break;     \
+                default: span1_##SUFFIX(w0, K, k0, k1, xm, ldx, a, b, pf, blocks);           \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        return rows;                                                                          \
     }
 
-DEFINE_PAIR_DOTS(f32, float, load_f32)
-DEFINE_PAIR_DOTS(bf16, uint16_t, load_bf16)
-
+DEFINE_PAIR_ROWS(f32, float, load_f32)
+DEFINE_PAIR_ROWS(bf16, uint16_t, load_bf16)
 
 
 /* Q4 tile against ROWS tokens; `xsum[i * ldxs + g]`: token i's sum of x over group g. */
@@ -197,24 +256,15 @@ static int tile_dot(const void *w, int wtype, int K, int t, const float *x, int 
     }
 }
 
-/* Tiles t and t + 1 of a dense (float32 / bfloat16) weight against >= 4 tokens; returns how
- * many tokens it did. With `fetch`, tiles t + 2 and t + 3 (the next pair: they follow in
- * memory; the caller says they exist) are fetched meanwhile.
- *
- * Why: a pair is read from memory by its first block of tokens, then from cache by the next
- * blocks. Fetching the next pair during the first block keeps twice the reads in flight;
- * at 32 decode tokens the 120 float32 linears of SmolLM2 went from 0.94x to 0.87x oneDNN's
- * time (linear_bench --tiled; perf/README.md). During the second block it gained nothing. */
+/* Tiles t and t + 1 of a dense (float32 / bfloat16) weight against `rows` tokens (see
+ * DEFINE_PAIR_ROWS); returns how many it did. `more`: tiles t + 2 and t + 3 exist, and are
+ * fetched as the pair ends. */
 static int pair_dot(const void *w, int wtype, int K, int t, const float *x, int ldx, int rows,
-                    f32x16 *acc0, f32x16 *acc1, int fetch) {
-    size_t at = (size_t)t * K * 16, next = at + (size_t)K * 16;
-    size_t pf = fetch ? next + (size_t)K * 16 : at;
-    if (wtype == TL_BF16) {
-        const uint16_t *h = (const uint16_t *)w;
-        return pair_dot_bf16(h + at, h + next, K, x, ldx, rows, acc0, acc1, h + pf);
-    }
-    const float *f = (const float *)w;
-    return pair_dot_f32(f + at, f + next, K, x, ldx, rows, acc0, acc1, f + pf);
+                    f32x16 *acc0, f32x16 *acc1, int more) {
+    const size_t at = (size_t)t * K * 16;
+    if (wtype == TL_BF16)
+        return pair_rows_bf16((const uint16_t *)w + at, K, x, ldx, rows, acc0, acc1, more);
+    return pair_rows_f32((const float *)w + at, K, x, ldx, rows, acc0, acc1, more);
 }
 
 /* xsum[m * (K / 32) + g] = sum of x[m, 32 g .. 32 g + 31] (what a Q4 group's minimum meets). */
@@ -246,16 +296,16 @@ static void linear_tiles(const void *w, int wtype, int K, int N, const float *bi
                          lora, xb);
         return;
     }
-    f32x16 acc[2][MAX_ROWS];
+    f32x16 acc[2][PAIR_TOKENS];
     const int G = wtype == TL_Q4 ? K / 32 : 0, dense = wtype == TL_F32 || wtype == TL_BF16;
     for (int t = t0; t < t1;) {
-        int tiles = dense && M >= 4 && t + 1 < t1 ? 2 : 1; /* a pair: see DEFINE_PAIR_DOT */
+        int tiles = dense && M >= 4 && t + 1 < t1 ? 2 : 1; /* a pair: see DEFINE_PAIR_ROWS */
         for (int m = 0; m < M;) {
             const float *xm = x + (size_t)m * ldx, *sm = xsum ? xsum + (size_t)m * G : NULL;
             int done;
             if (tiles == 2 && M - m >= 4) {
-                int fetch = m == 0 && t + 3 < t1; /* the first block: see pair_dot */
-                done = pair_dot(w, wtype, K, t, xm, ldx, M - m, acc[0], acc[1], fetch);
+                int more = m == 0 && t + 3 < t1; /* the next pair: the first pass fetches it */
+                done = pair_dot(w, wtype, K, t, xm, ldx, M - m, acc[0], acc[1], more);
             } else { /* one tile, or a pair's last 1-3 tokens one tile at a time */
                 done = tile_dot(w, wtype, K, t, xm, ldx, sm, G, M - m, acc[0]);
                 if (tiles == 2) tile_dot(w, wtype, K, t + 1, xm, ldx, sm, G, done, acc[1]);
@@ -300,7 +350,7 @@ static void gate_up_tiles(const void *w, int wtype, int K, const float *x, int l
         amx_gate_up_tiles((const uint16_t *)w, K, x, ldx, M, act, I, j0, j1, kind, lora, xb);
         return;
     }
-    f32x16 g[MAX_ROWS], u[MAX_ROWS];
+    f32x16 g[PAIR_TOKENS], u[PAIR_TOKENS];
     const int G = wtype == TL_Q4 ? K / 32 : 0, dense = wtype == TL_F32 || wtype == TL_BF16;
     for (int j = j0; j < j1; j++) {
         const int gt = interleaved ? 2 * j : j, ut = interleaved ? 2 * j + 1 : I / 16 + j;
@@ -308,8 +358,8 @@ static void gate_up_tiles(const void *w, int wtype, int K, const float *x, int l
             const float *xm = x + (size_t)m * ldx, *sm = xsum ? xsum + (size_t)m * G : NULL;
             int done;
             if (interleaved && dense && M - m >= 4) {
-                int fetch = m == 0 && j + 1 < j1; /* the first block: see pair_dot */
-                done = pair_dot(w, wtype, K, gt, xm, ldx, M - m, g, u, fetch);
+                int more = m == 0 && j + 1 < j1; /* the next pair: the first pass fetches it */
+                done = pair_dot(w, wtype, K, gt, xm, ldx, M - m, g, u, more);
             } else {
                 done = tile_dot(w, wtype, K, gt, xm, ldx, sm, G, M - m, g);
                 tile_dot(w, wtype, K, ut, xm, ldx, sm, G, done, u);
