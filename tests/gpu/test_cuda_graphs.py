@@ -27,7 +27,23 @@ def test_capture_sizes_are_vllms() -> None:
     assert WorkerConfig("m", enforce_eager=True).cuda_graph_sizes() == ()
 
 
-@pytest.mark.parametrize("num_requests", [3, 5])
+SLOW = pytest.mark.slow
+
+
+# The padding is the runner's, not the family's: `make test` pads 3 rows to 4 on the tiny
+# Llama and 5 to 6 on Qwen2; every family with both sizes is in `make test-slow`.
+@pytest.mark.parametrize(
+    ("tiny_model_dir", "num_requests"),
+    [
+        ("llama", 3),
+        pytest.param("llama", 5, marks=SLOW),
+        pytest.param("llama3", 3, marks=SLOW),
+        pytest.param("llama3", 5, marks=SLOW),
+        pytest.param("qwen2", 3, marks=SLOW),
+        ("qwen2", 5),
+    ],
+    indirect=["tiny_model_dir"],
+)
 def test_padded_static_buffers_give_the_eager_tokens(
     tiny_model_dir: Path, num_requests: int
 ) -> None:
@@ -54,6 +70,13 @@ def test_graphs_need_the_triton_backend(tiny_model_dir: Path) -> None:
     assert eager.capture_cuda_graphs(off_cuda=True) == "cuda graphs: none (--enforce-eager)"
 
 
+# Each family's fused forward is test_fused_kernels' (bit for bit); over the padded buffers
+# `make test` runs the tiny Llama.
+@pytest.mark.parametrize(
+    "tiny_model_dir",
+    ["llama", pytest.param("llama3", marks=SLOW), pytest.param("qwen2", marks=SLOW)],
+    indirect=True,
+)
 def test_the_fused_kernels_over_padded_buffers_give_their_eager_tokens(
     tiny_model_dir: Path,
 ) -> None:
