@@ -196,6 +196,9 @@ def test_api_key_is_required_except_for_health(tiny_model: Path) -> None:
         server.stop()
 
 
+# `make test` drains on SIGTERM in faults/test_http_shutdown.py (unsupervised: the short
+# stream ends with length, exit 0, and more); this one, on the tiny model, is test-slow.
+@pytest.mark.slow
 def test_sigterm_drains_open_streams_then_exits_0(tiny_model: Path) -> None:
     server = start_server(tiny_model, "--shutdown-timeout", "20")
     lines: list[str] = []
