@@ -54,18 +54,6 @@ static inline void prompt_amx_configure(void) {
 
 /* Values 2i and 2i + 1 (`a`, `b`: D bfloat16 each, D % 32 == 0) interleaved into `out` [D]
  * words: the tile unit's B operand for weights [lane][key] . values [key][d]. */
-/* Eight tiles of 16 rows x 64 bytes (`attend_block_amx64`). */
-static inline void prompt_amx_configure_square(void) {
-    struct amx_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        c.rows[i] = 16;
-        c.colsb[i] = 64;
-    }
-    _tile_loadconfig(&c);
-}
-
 static inline void pair_rows(const uint16_t *a, const uint16_t *b, int D, uint32_t *out) {
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
                                         40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
@@ -145,7 +133,7 @@ static __attribute__((noinline)) void attend_block_amx64(const struct tl_model *
         }
         pair_rows(pair[0], pair[1], D, vpairs + (size_t)(j0 - first) / 2 * D);
     }
-    prompt_amx_configure_square();
+    amx_configure(); /* eight tiles of 16 rows x 64 bytes, as the products' */
     for (int hh = 0; hh < group; hh++) {
         float *out = rows + (size_t)hh * QBLOCK * D;
         f32x16 ref = minus_inf, run_sum = (f32x16){0};
