@@ -118,7 +118,9 @@ static inline int pair_block(int left) {
  * others. SmolLM2-135M's 120 float32 linears, one thread, CPU time, two alternated runs of
  * each (`linear_bench.py --tiled --threads 1 --cpu-time`, a busy machine), before -> after:
  * M=16 47.8, 51.1 -> 42.6, 42.1 ms; M=32 70.8, 76.6 -> 58.1, 60.4 (0.87x oneDNN's time ->
- * 0.68x); M=64 124.5, 119.1 -> 105.7, 113.1; M=8 within 5%, M=1 (one tile a token) as was. */
+ * 0.68x); M=64 124.5, 119.1 -> 105.7, 113.1; M=8 within 5%, M=1 (one tile a token) as was.
+ * The B=32 decode step's products with the LM head (`decode_profile.py --split --batch 32
+ * --threads 1 --cpu-time`): 98.5, 97.2 ms (56-58% of the FMA peak) -> 79.8, 75.0 (69-73%). */
 #define DEFINE_PAIR_ROWS(SUFFIX, WT, LOAD)                                                    \
     DEFINE_PAIR_SPAN(span12_##SUFFIX, WT, LOAD, 12)                                           \
     DEFINE_PAIR_SPAN(span8_##SUFFIX, WT, LOAD, 8)                                             \
