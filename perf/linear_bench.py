@@ -7,6 +7,7 @@ MKL keeps to AVX2 on AMD CPUs; oneDNN uses AVX-512 where the CPU has it (`lib/gp
 
     python perf/linear_bench.py [--tokens 1,32,128] [--dtypes float32,bfloat16]
     python perf/linear_bench.py --tiled [--tokens 1,8,32,128,512] [--threads 1 --cpu-time]
+    python perf/linear_bench.py --tiled --amx [--tokens 1,16,32,64]   (bfloat16)
 
 `--tiled` times trillm's C tiles (`lib/gpu/_tiles.py`) the same way: float32 tiles against
 oneDNN's packed float32, and the weights as GGUF Q4_1 blocks in C tiles (float32 activations)
@@ -62,8 +63,12 @@ def tiled_main(args: argparse.Namespace) -> None:
     if tiled_kernels() is None:
         raise SystemExit("linear_bench: the C kernels do not build here (no C compiler?)")
     weights = [[torch.randn(n, k) * 0.05 for k, n in SHAPES] for _ in range(LAYERS)]
+    kernels: dict[str, list[list[Callable[[torch.Tensor], torch.Tensor]]]]
+    if args.amx:
+        tiled_runs(args, amx_kernels(weights), torch.bfloat16)
+        return
     q4 = [[gguf_blocks(w) for w in layer] for layer in weights]
-    kernels: dict[str, list[list[Callable[[torch.Tensor], torch.Tensor]]]] = {
+    kernels = {
         "onednn_f32": [
             [partial(packed_linear, packed=pack_weight(w), bias=None) for w in layer]
             for layer in weights
@@ -72,13 +77,42 @@ def tiled_main(args: argparse.Namespace) -> None:
         "int4_bf16": [[Int4Weight([q], q.shape[0]) for q in layer] for layer in q4],
         "c_q4_1": [[TiledLinear(quantized_tiles([q]), q.shape[0]) for q in layer] for layer in q4],
     }
+    tiled_runs(args, kernels, torch.float32)
+
+
+def amx_kernels(
+    weights: list[list[torch.Tensor]],
+) -> dict[str, list[list[Callable[[torch.Tensor], torch.Tensor]]]]:
+    """bfloat16: oneDNN's packed linears (AMX where the CPU has it) against the C step's FMA
+    tiles and its AMX tiles (`csrc/tl_amx.h`)."""
+    from trillm.gpu._tiles import TiledLinear, amx_ready, amx_tiles, dense_tiles
+
+    if not amx_ready():
+        raise SystemExit("linear_bench --amx: the C kernels run no AMX here (amx_ready)")
+    bf16 = [[w.bfloat16() for w in layer] for layer in weights]
+    return {
+        "onednn_bf16": [
+            [partial(packed_linear, packed=pack_weight(w), bias=None) for w in layer]
+            for layer in bf16
+        ],
+        "c_bf16_fma": [[TiledLinear(dense_tiles(w), w.shape[0]) for w in layer] for layer in bf16],
+        "c_bf16_amx": [[TiledLinear(amx_tiles(w), w.shape[0]) for w in layer] for layer in bf16],
+    }
+
+
+def tiled_runs(
+    args: argparse.Namespace,
+    kernels: dict[str, list[list[Callable[[torch.Tensor], torch.Tensor]]]],
+    dtype: torch.dtype,
+) -> None:
+    """Each kernel's best ms of a forward at each M, the kernels interleaved."""
     clock = time.process_time if args.cpu_time else time.perf_counter
     what = "CPU" if args.cpu_time else "wall"
     threads = torch.get_num_threads()
     print(f"torch {torch.__version__}, {threads} threads; best {what} ms of a forward")
     print(f"{'M':>4} " + " ".join(f"{name:>11}" for name in kernels))
     for m in map(int, args.tokens.split(",")):
-        xs = [torch.randn(m, k) for k, _ in SHAPES]
+        xs = [torch.randn(m, k).to(dtype) for k, _ in SHAPES]
         runs = {name: partial(forward, _call, xs, layers) for name, layers in kernels.items()}
         best = dict.fromkeys(runs, float("inf"))
         for _ in range(3):  # interleaved: every kernel sees the same machine state
@@ -107,6 +141,10 @@ def main() -> None:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--tiled", action="store_true", help="trillm's C tiles (see above)")
+    p.add_argument(
+        "--amx", action="store_true",
+        help="--tiled in bfloat16: oneDNN, the C FMA tiles and the C AMX tiles",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, default=0, help="--tiled: torch threads (0: as is)")
     p.add_argument("--cpu-time", action="store_true", help="--tiled: process CPU time")
     args = p.parse_args()
