@@ -402,7 +402,8 @@ static void amx_linear_tiles(const uint16_t *w, int K, int N, const float *bias,
                     f32x16 v = load_f32(c[p][i]);
                     if (lora) v += lora_delta(lora, t + p, m + i);
                     float *o = out + (size_t)(m + i) * ldo + n0;
-                    if (width == 16) { /* a whole tile: vector stores (scalar: 4 ms a step) */
+                    if (width == 16) { /* a whole tile: vector stores (120 linears, M=32,
+                                        * 1 thread: 31.0 ms, scalar 32.6) */
                         v += b;
                         if (mode == OUT_ADD) v = load_f32(o) + alpha * v;
                         memcpy(o, &v, sizeof v);
