@@ -25,12 +25,26 @@
 #ifndef TL_AMX_H
 #define TL_AMX_H
 
+#include "tl_norm.h"
 #include "tl_vec.h"
 
 #define AMX_ROWS 32 /* tokens a block: two A tiles */
 
 /* Rows of `amx_activations`' buffer for M tokens: whole tiles of 16, as the tile loads read. */
 static inline int amx_rows(int M) { return (M + 15) / 16 * 16; }
+
+/* xb [amx_rows(M)][K] = x [M][ldx] rounded to bfloat16 as torch rounds (`store_bf16`), padding
+ * rows zero. K % 32 == 0. */
+static void amx_activations(const float *x, int ldx, int M, int K, uint16_t *xb) {
+    for (int m = 0; m < amx_rows(M); m++) {
+        uint16_t *row = xb + (size_t)m * K;
+        if (m >= M) {
+            memset(row, 0, sizeof(uint16_t) * (size_t)K);
+            continue;
+        }
+        for (int k = 0; k < K; k += 16) store_bf16(row + k, load_f32(x + (size_t)m * ldx + k));
+    }
+}
 
 /* The layout read by plain C: a build without AMX (tests run one), or a process the kernel
  * refused the tile state. */
@@ -69,35 +83,25 @@ struct amx_config {
     uint8_t rows[16];
 };
 
-/* Eight tiles of 16 rows x 64 bytes: 0-3 the float32 sums (2 token tiles x 2 weight tiles),
- * 4-5 tokens, 6-7 weights. Loaded at each product: oneDNN's kernels on the same threads load
- * their own configuration. */
-static inline void amx_configure(void) {
-    if (!amx_on()) return;
+/* Palette 1 with tiles 0 .. n - 1 of rows[i] rows x colsb[i] bytes. */
+static inline void amx_load_config(int n, const uint8_t *rows, const uint16_t *colsb) {
     struct amx_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        c.rows[i] = 16;
-        c.colsb[i] = 64;
+    for (int i = 0; i < n; i++) {
+        c.rows[i] = rows[i];
+        c.colsb[i] = colsb[i];
     }
     _tile_loadconfig(&c);
 }
 
-/* xb [amx_rows(M)][K] = x [M][ldx] rounded to bfloat16 (nearest even, as torch), padding rows
- * zero. K % 32 == 0. */
-static void amx_activations(const float *x, int ldx, int M, int K, uint16_t *xb) {
-    for (int m = 0; m < amx_rows(M); m++) {
-        uint16_t *row = xb + (size_t)m * K;
-        if (m >= M) {
-            memset(row, 0, sizeof(uint16_t) * (size_t)K);
-            continue;
-        }
-        for (int k = 0; k < K; k += 16) {
-            __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + (size_t)m * ldx + k));
-            memcpy(row + k, &h, sizeof h);
-        }
-    }
+/* Eight tiles of 16 rows x 64 bytes: 0-3 the float32 sums (2 token tiles x 2 weight tiles),
+ * 4-5 tokens, 6-7 weights. Loaded at each product: oneDNN's kernels on the same threads load
+ * their own configuration. */
+static inline void amx_configure(void) {
+    static const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    static const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    if (amx_on()) amx_load_config(8, rows, colsb);
 }
 
 #define AMX_LOOP(PAIR, TWO_ROWS)                                                             \
@@ -151,12 +155,6 @@ static void amx_block(const uint16_t *w, int K, int t, int pair, const uint16_t 
 
 static int amx_on(void) { return 0; }
 static inline void amx_configure(void) {}
-
-static void amx_activations(const float *x, int ldx, int M, int K, uint16_t *xb) {
-    for (int m = 0; m < amx_rows(M); m++)
-        for (int k = 0; k < K; k++)
-            xb[(size_t)m * K + k] = m < M ? f32_to_bf16(x[(size_t)m * ldx + k]) : 0;
-}
 
 static void amx_block(const uint16_t *w, int K, int t, int pair, const uint16_t *xb, int rows,
                       float c[2][AMX_ROWS][16]) {

@@ -40,16 +40,9 @@
 /* Tiles: 0 keys (A), 1 query pairs (B), 2 scores (C), 3 weights (A, 16 keys), 4 value pairs
  * (B, 8 rows), 5 output (C). */
 static inline void prompt_amx_configure(void) {
-    struct amx_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 6; i++) {
-        c.rows[i] = 16;
-        c.colsb[i] = 64;
-    }
-    c.colsb[3] = 32;
-    c.rows[4] = 8;
-    _tile_loadconfig(&c);
+    static const uint8_t rows[6] = {16, 16, 16, 16, 8, 16};
+    static const uint16_t colsb[6] = {64, 64, 64, 32, 64, 64};
+    amx_load_config(6, rows, colsb);
 }
 
 /* Values 2i and 2i + 1 (`a`, `b`: D bfloat16 each, D % 32 == 0) interleaved into `out` [D]
@@ -274,20 +267,8 @@ static __attribute__((noinline)) void attend_block_amx(
     float *stile = work + block_base_floats(group, D), *otile = stile + 256;
     uint16_t *ptile = (uint16_t *)(otile + 256);
     block_queries(md, st, m0, n, g, rows, cbuf, sbuf, D);
-    for (int hh = 0; hh < group; hh++) { /* each row's words are its pairs: transpose them */
-        uint16_t *bf = kb; /* the rounded rows, in the keys' room until the first key block */
-        for (int t = 0; t < QBLOCK; t++)
-            for (int d = 0; d < D; d += 16)
-                store_bf16(bf + (size_t)t * D + d,
-                           load_f32(rows + ((size_t)hh * QBLOCK + t) * D + d) * md->scale);
-        for (int p0 = 0; p0 < D / 2; p0 += 16) {
-            f32x16 r[16];
-            for (int t = 0; t < QBLOCK; t++) memcpy(&r[t], bf + (size_t)t * D + 2 * p0, 64);
-            transpose16(r);
-            for (int i = 0; i < 16; i++)
-                memcpy(qp + ((size_t)hh * (D / 2) + p0 + i) * QBLOCK, &r[i], sizeof r[i]);
-        }
-    }
+    query_pairs(rows, group, D, md->scale, kb, qp); /* rounded in the keys' room: free until
+                                                     * the first key block */
     memset(rows, 0, sizeof(float) * (size_t)group * D * QBLOCK);
     const int32_t *table = st->tables + (size_t)st->rows[m0] * st->table_stride;
     const struct block_bounds b = block_bounds(st, m0, n);
