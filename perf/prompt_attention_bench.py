@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from trillm.gpu import _cpu_decode, _native
+from trillm.gpu._hugepages import on_huge_pages
 from trillm.gpu._cpu_decode_model import Layer, Model
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M
@@ -51,6 +52,8 @@ SHAPES: dict[str, tuple[list[tuple[int, int]], torch.dtype]] = {  # (cached, new
     "1 x 2048 bfloat16": ([(0, 2048)], torch.bfloat16),
     "32 decodes + 160": ([(160, 1)] * 32 + [(0, 160)], torch.float32),
     "64 decodes at 512": ([(511, 1)] * 64, torch.float32),
+    "32 decodes at 160 bfloat16": ([(159, 1)] * 32, torch.bfloat16),
+    "32 decodes at 512 bfloat16": ([(511, 1)] * 32, torch.bfloat16),
 }
 
 
@@ -85,8 +88,9 @@ def layer_call(
     h, g, d, bs = HEADS, KV_HEADS, HEAD_DIM, BLOCK
     counts = [n for _, n in seqs]
     m, width = sum(counts), max(-(-(p + n) // bs) for p, n in seqs)
-    k_cache = torch.randn(width * len(seqs), bs, g, d).to(dtype)
-    v_cache = torch.randn_like(k_cache)
+    # on huge pages, as the worker allocates its cache (`_hugepages`)
+    k_cache = on_huge_pages(torch.randn(width * len(seqs), bs, g, d).to(dtype))
+    v_cache = on_huge_pages(torch.randn(width * len(seqs), bs, g, d).to(dtype))
     table = torch.randperm(width * len(seqs)).view(-1, width).int()
     qkv = torch.randn(m, (h + 2 * g) * d)
     positions = np.concatenate([np.arange(p, p + n) for p, n in seqs])

@@ -70,6 +70,13 @@ CASES = [
     Case(4, 2, 64, ((0, 300), (5, 40)), dtype=torch.bfloat16, name="bf16-long"),
     Case(4, 2, 64, ((0, 300), (270, 20)), dtype=torch.bfloat16, window=100, softcap=30.0,
          io=torch.bfloat16, name="bf16-window-cap"),
+    # decode tokens over a bfloat16 cache (`tl_attend_bf16.h` where the CPU has AVX512_BF16):
+    # 16 query heads a kv head (two passes of DP_HEADS), contexts across its 32-key chunks,
+    # a window, blocks of 8
+    Case(16, 1, 64, ((0, 1), (40, 1), (63, 1), (64, 1), (100, 1)), dtype=torch.bfloat16,
+         softcap=30.0, name="bf16-decodes-group16-cap"),
+    Case(4, 2, 128, ((0, 33), (31, 1), (200, 1), (95, 1)), dtype=torch.bfloat16, window=37,
+         block_size=8, name="bf16-decodes-window-block8"),
 ]  # fmt: skip
 
 
@@ -170,7 +177,8 @@ def _run(case: Case, threads: int) -> None:
                 queries, keys, values, attn_mask=allowed, scale=model.scale
             )
         got = out[start : start + n].view(n, h, d).transpose(0, 1).double()
-        # bfloat16: the token-by-token path attends its own key unrounded
+        # bfloat16: rounded q and softmax weights (`tl_attend_bf16.h`), or without AVX512_BF16
+        # a token's own key unrounded
         tol = 2e-5 if case.dtype == case.io == torch.float32 else 2e-2
         torch.testing.assert_close(got, expect, atol=tol, rtol=tol, msg=f"{case.name} seq {s}")
         start += n

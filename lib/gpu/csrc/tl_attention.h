@@ -78,6 +78,28 @@ static inline int first_key(int ctx, int window) {
     return window > 0 && ctx > window ? ctx - window : 0;
 }
 
+/* A sequence's cache slots in key order, from its block table (`table`, blocks of B): the
+ * next key's slot by a step, where `j / B`, `j % B` divided at each key (no time measured
+ * either way: perf/prompt_attention_bench.py's decode shapes). */
+struct slot_cursor {
+    const int32_t *table;
+    int B, block, offset;
+};
+
+static inline struct slot_cursor slots_from(const int32_t *table, int B, int j) {
+    return (struct slot_cursor){table, B, j / B, j % B};
+}
+
+/* The slot of the cursor's key, moving it to the next key. */
+static inline size_t next_slot(struct slot_cursor *c) {
+    size_t slot = (size_t)c->table[c->block] * c->B + (size_t)c->offset;
+    if (++c->offset == c->B) {
+        c->offset = 0;
+        c->block++;
+    }
+    return slot;
+}
+
 /* Scores soft-capped: cap * tanh(score / cap) (cap 0: as they are). */
 static inline float cap_score(float score, float cap) {
     return cap > 0.0f ? cap * tanhf(score / cap) : score;
@@ -145,7 +167,7 @@ static void attend(const float *q, const float *k, const float *v, const void *k
 
 #define MAX_GROUP 16 /* query heads per kv head the grouped path takes (Python checks) */
 /* a thread's attention work: `attention_tasks`' queries, key, value, rotary rows and output
- * rows, and `attend_group`'s */
+ * rows, and `attend_group`'s (33 D + 64: `attend_group_bf16`'s DP_WORK_FLOATS fits in it) */
 #define WORK_FLOATS(D) (64 + (5 + 2 * 16 + 2 * MAX_GROUP) * (D))
 
 /* r[c] = the sum of v[c]'s lanes, for 16 vectors: a tree of 15 shuffle-adds instead of 16
@@ -191,14 +213,17 @@ static void attend_group(const float *q, int group, const float *k, const float 
     memset(out, 0, sizeof(float) * (size_t)group * D);
     memset(zeros, 0, sizeof(float) * (size_t)D);
     const size_t row = (size_t)Hkv * D, esize = ctype == TL_F32 ? 4 : 2;
-    for (int j0 = first_key(ctx, window); j0 < ctx; j0 += 16) {
+    const int first = first_key(ctx, window);
+    struct slot_cursor keys = slots_from(table, B, first);
+    struct slot_cursor ahead = slots_from(table, B, first + 16 < ctx ? first + 16 : first);
+    for (int j0 = first; j0 < ctx; j0 += 16) {
         int n = ctx - j0 < 16 ? ctx - j0 : 16;
         const float *kp[16], *vp[16];
         /* The next 16 keys' and values' rows, fetched while these are used: a row of head g
          * is D elements of every Hkv * D, so the hardware's stream prefetch does not see it
          * (measured: perf/README.md, decode_profile.py --batch 32). */
         for (int j = j0 + 16; j < j0 + 32 && j < ctx - 1; j++) {
-            size_t at = ((size_t)table[j / B] * B + (size_t)(j % B)) * row + (size_t)g * D;
+            size_t at = next_slot(&ahead) * row + (size_t)g * D;
             size_t off = at * esize;
             for (size_t b = 0; b < (size_t)D * esize; b += 64) {
                 __builtin_prefetch((const char *)kc + off + b, 0, 3);
@@ -213,7 +238,7 @@ static void attend_group(const float *q, int group, const float *k, const float 
                 kp[c] = k;
                 vp[c] = v;
             } else {
-                size_t off = ((size_t)table[j / B] * B + (size_t)(j % B)) * row + (size_t)g * D;
+                size_t off = next_slot(&keys) * row + (size_t)g * D;
                 if (ctype == TL_F32) {
                     kp[c] = (const float *)kc + off;
                     vp[c] = (const float *)vc + off;
@@ -262,6 +287,24 @@ static void attend_group(const float *q, int group, const float *k, const float 
         float inv = 1.0f / run_sum[hh];
         for (int i = 0; i < D; i++) out[(size_t)hh * D + i] *= inv;
     }
+}
+
+#include "tl_attend_bf16.h"
+
+/* `attend_group`, or over a bfloat16 cache its pair dot products where the CPU has them. */
+static void attend_heads(const float *q, int group, const float *k, const float *v,
+                         const void *kc, const void *vc, int ctype, const int32_t *table,
+                         int ctx, int window, int B, int Hkv, int g, int D, float scale,
+                         float cap, float *out, float *work) {
+#ifdef TL_DPBF16
+    if (ctype == TL_BF16 && D % 32 == 0) {
+        attend_group_bf16(q, group, kc, vc, table, ctx, window, B, Hkv, g, D, scale, cap, out,
+                          work);
+        return;
+    }
+#endif
+    attend_group(q, group, k, v, kc, vc, ctype, table, ctx, window, B, Hkv, g, D, scale, cap,
+                 out, work);
 }
 
 /* One step's attention inputs for one layer. `qkv` [M, q + 2 kv] (queries and keys not yet
@@ -360,7 +403,7 @@ static void attention_tasks(const struct tl_model *md, const struct tl_step *st,
         float *o = io == TL_F32 ? (float *)dst : obuf;
         int ctx = st->context_lens[m];
         if (grouped)
-            attend_group(qrot, group, krot, v, st->k_cache, st->v_cache, ct, table, ctx,
+            attend_heads(qrot, group, krot, v, st->k_cache, st->v_cache, ct, table, ctx,
                          L->window, md->block_size, NKV, g, D, md->scale, md->softcap, o,
                          attn_work);
         else
