@@ -40,8 +40,8 @@ import numpy as np
 import torch
 
 from trillm.gpu import _cpu_decode, _native
-from trillm.gpu._hugepages import on_huge_pages
 from trillm.gpu._cpu_decode_model import Layer, Model
+from trillm.gpu._hugepages import on_huge_pages
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M
 SHAPES: dict[str, tuple[list[tuple[int, int]], torch.dtype]] = {  # (cached, new) a sequence
