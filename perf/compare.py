@@ -119,6 +119,11 @@ def peer_venv(path: Path) -> Path:
     return exe
 
 
+class ServerStartError(RuntimeError):
+    """A server exited during start-up or was not healthy in time: its pairings are reported
+    as not run, and the others still are."""
+
+
 @contextmanager
 def serving(
     name: str,
@@ -138,8 +143,9 @@ def serving(
         while True:
             if process.poll() is not None:  # the log's directory goes with the run: its tail
                 tail = log.read_text(errors="replace").strip().splitlines()[-5:]
-                raise RuntimeError(
-                    f"{name} exited during start-up; its log ends: " + " | ".join(tail)
+                raise ServerStartError(
+                    f"{name} exited during start-up (status {process.returncode}); its log "
+                    "ends: " + " | ".join(tail)
                 )
             try:
                 if httpx.get(f"{base}/health", timeout=2).status_code == 200:
@@ -147,7 +153,9 @@ def serving(
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} was not healthy within {timeout:.0f} s; its log: {log}")
+                raise ServerStartError(
+                    f"{name} was not healthy within {timeout:.0f} s; its log: {log}"
+                )
             time.sleep(0.5)
         print(f"compare: {name} healthy after {time.monotonic() - started:.1f} s", file=sys.stderr)
         yield base
@@ -443,11 +451,21 @@ def main() -> None:
         pairings += new
         decode_floors += [None] * len(new)
     results: dict[str, dict[int, dict[str, Any]]] = {}
+    failed: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="trillm-compare-") as d:
         for server in servers_once(pairings):
-            results[server.name] = measure(server, args, Path(d))
+            try:
+                results[server.name] = measure(server, args, Path(d))
+            except ServerStartError as exc:  # the other pairings still run
+                failed[server.name] = str(exc)
+                print(f"compare: {server.name} not measured: {exc}", file=sys.stderr)
     lines: list[str] = []
     for (ours, peer), decode_floor in zip(pairings, decode_floors, strict=True):
+        missing = [name for name in (ours.name, peer.name) if name in failed]
+        if missing:
+            lines += [f"{ours.name} / {peer.name}: not compared; {n}: {failed[n]}" for n in missing]
+            lines.append("")
+            continue
         lines += report(
             results[ours.name], results[peer.name], floor_ms,
             names=(ours.name, peer.name), decode_floor_ms=decode_floor,
@@ -457,6 +475,7 @@ def main() -> None:
     if args.save_result:
         figures |= results  # one key per server, as the single-pairing files had
         figures["pairings"] = [[ours.name, peer.name] for ours, peer in pairings]
+        figures["failed"] = failed
         figures["table"] = lines
         args.save_result.write_text(json.dumps(figures, indent=1))
 

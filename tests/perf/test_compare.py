@@ -13,7 +13,7 @@ from trillm.gpu._cpu_linear import packed_linear_available
 PERF = Path(__file__).resolve().parents[2] / "perf"
 sys.path.insert(0, str(PERF))  # perf/ is scripts, not a package
 
-from compare import matmul_rates, prompt_gflops, report  # noqa: E402
+from compare import ServerStartError, matmul_rates, prompt_gflops, report, serving  # noqa: E402
 
 
 def test_prompt_flops_count_linears_causal_attention_and_one_head_row() -> None:
@@ -61,3 +61,16 @@ def _result(tok_s: float, ttft: float) -> dict[str, float]:
         "total_output_tokens": 640,
         "completed": 10,
     }
+
+
+def test_a_server_that_dies_at_start_up_is_a_start_error_naming_it(tmp_path: Path) -> None:
+    """What `main` catches to report that pairing as not run and still run the others (a
+    peer that cannot start on this CPU: llama.cpp's Q4_1 server died at start-up on an AMX
+    machine, perf/README.md)."""
+    command = [sys.executable, "-c", "print('loading'); import sys; sys.exit(3)"]
+    died = r"peer exited during start-up \(status 3\).*loading"
+    with (
+        pytest.raises(ServerStartError, match=died),
+        serving("peer", command, 1, tmp_path / "log", timeout=30),
+    ):
+        pass
