@@ -4,7 +4,9 @@ For each batch size B and vocabulary V, times the old sort-based filter (kept he
 baseline) and the sampler's filter on the same logits (randn * 3, temperature 1), with:
 
 - `top_p`: top_p 0.9, top_k off: the sort against bisection on the threshold (30 passes);
-- `top_k+top_p`: top_k 50, top_p 0.9: the sort against a prefix sum over topk(50).
+- `top_k+top_p`: top_k 50, top_p 0.9: the sort against a prefix sum over topk(50);
+- `greedy`: torch's `max(dim=-1).indices` (the "sort" column) against the sampler's
+  `_greedy` (numpy's argmax on the CPU).
 
 Runs are interleaved so both see the same machine state; medians of `--repeats`. On CUDA
 each timing waits for the device (`torch.cuda.synchronize`) before it stops.
@@ -30,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The baseline: the sampler's filter before it stopped sorting (the tests' reference, too).
 from tests.gpu.test_sampler import sorted_top_k_top_p as sort_top_k_top_p
-from trillm.gpu._sampler import _apply_top_k_top_p
+from trillm.gpu._sampler import _apply_top_k_top_p, _greedy
 from trillm.gpu._sampling_batch import RequestSamplingState, SamplingBatch
 from trillm.wire import SamplingOptions
 
@@ -75,6 +77,12 @@ def main() -> None:
         for batch in (int(b) for b in args.batch.split(",")):
             logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0)) * 3
             logits = logits.to(device)
+            greedy = {"sort": partial(torch.max, logits, -1), "new": partial(_greedy, logits)}
+            times = median_ms(greedy, args.repeats, device)
+            print(
+                f"{'greedy':<12} {batch:>4} {vocab:>7} {times['sort']:>9.2f} {times['new']:>9.2f} "
+                f"{times['new'] / times['sort']:>9.3f}"
+            )
             for case, options in (
                 ("top_p", SamplingOptions(top_p=0.9)),
                 ("top_k+top_p", SamplingOptions(top_k=50, top_p=0.9)),

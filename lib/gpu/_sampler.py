@@ -74,13 +74,20 @@ class Sampler:
             )
         raw = logits.float()
         processed = _process_logits(raw, batch)
-        if batch.random is None:
-            token_ids = processed.max(dim=-1).indices
-        else:
-            token_ids = _sample(processed, batch.random)
+        random = batch.random
+        token_ids = _greedy(processed) if random is None else _sample(processed, random)
         if batch.max_logprobs is None:
             return SamplerOutput(token_ids, None, None, None)
         return SamplerOutput(token_ids, *compute_logprobs(raw, token_ids, batch.max_logprobs))
+
+
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first index of its largest logit. On the CPU numpy's argmax (one SIMD pass:
+    [32, 49152] float32 0.22 ms against torch's `max(dim).indices` 0.41, 2 threads:
+    `perf/sampler_bench.py --batch 1,32 --vocab 49152 --repeats 51`); elsewhere torch's."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return logits.max(dim=-1).indices
 
 
 def compute_logprobs(
