@@ -8,11 +8,6 @@ MKL keeps to AVX2 on AMD CPUs; oneDNN uses AVX-512 where the CPU has it (`lib/gp
     python perf/linear_bench.py [--tokens 1,32,128] [--dtypes float32,bfloat16]
     python perf/linear_bench.py --tiled [--tokens 1,8,32,128,512] [--threads 1 --cpu-time]
     python perf/linear_bench.py --tiled --amx [--tokens 1,16,32,64]   (bfloat16)
-    python perf/linear_bench.py --gated [--tokens 160,2048]
-
-`--gated` times a SiLU MLP's gate/up up to its down product, 30 layers: oneDNN's [gate | up]
-product then the C SiLU * up (`silu_mul`), against SiLU and the multiply as the post-ops of two
-oneDNN products (`packed_silu_mul`, what a packed SiLU MLP runs).
 
 `--tiled` times trillm's C tiles (`lib/gpu/_tiles.py`) the same way: float32 tiles against
 oneDNN's packed float32, and the weights as GGUF Q4_1 blocks in C tiles (float32 activations)
@@ -33,14 +28,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from trillm.gpu._cpu_linear import (
-    pack_weight,
-    packed_linear,
-    packed_linear_available,
-    packed_silu_mul,
-    packed_silu_mul_available,
-)
-from trillm.gpu._cpu_ops import silu_mul
+from trillm.gpu._cpu_linear import pack_weight, packed_linear, packed_linear_available
 from trillm.gpu._gguf_blocks import BLOCK_BYTES, Q4_1, QuantizedTensor
 
 HIDDEN, INTER, KV, LAYERS = 576, 1536, 192, 30
@@ -147,39 +135,6 @@ def gguf_blocks(w: torch.Tensor, qtype: int = Q4_1) -> QuantizedTensor:
     return QuantizedTensor(qtype, blocks)
 
 
-def gated_main(args: argparse.Namespace) -> None:
-    """[gate | up] then SiLU * up, against `packed_silu_mul`; best ms, alternated."""
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; SiLU MLP up to down")
-    print(f"{'dtype':<9} {'M':>5} {'gate/up + C SiLU ms':>20} {'post-ops ms':>12} {'ratio':>6}")
-    for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
-        if not packed_silu_mul_available(dtype):
-            print(f"{dtype}: oneDNN's post-op products are not available here")
-            continue
-        gates = [torch.randn(INTER, HIDDEN).to(dtype) for _ in range(LAYERS)]
-        ups = [torch.randn(INTER, HIDDEN).to(dtype) for _ in range(LAYERS)]
-        whole = [pack_weight(torch.cat([g, u])) for g, u in zip(gates, ups, strict=True)]
-        apart = [(pack_weight(g), pack_weight(u)) for g, u in zip(gates, ups, strict=True)]
-        for m in map(int, args.tokens.split(",")):
-            x = torch.randn(m, HIDDEN).to(dtype)
-
-            def split(x: torch.Tensor = x, whole: list[torch.Tensor] = whole) -> None:
-                for w in whole:
-                    silu_mul(packed_linear(x, w, None))
-
-            def fused(
-                x: torch.Tensor = x, apart: list[tuple[torch.Tensor, torch.Tensor]] = apart
-            ) -> None:
-                for g, u in apart:
-                    packed_silu_mul(x, g, u)
-
-            times = {"split": float("inf"), "fused": float("inf")}
-            for _ in range(3):
-                times["split"] = min(times["split"], best_ms(split, args.repeats))
-                times["fused"] = min(times["fused"], best_ms(fused, args.repeats))
-            print(f"{str(dtype).removeprefix('torch.'):<9} {m:>5} {times['split']:>20.2f} "
-                  f"{times['fused']:>12.2f} {times['fused'] / times['split']:>6.3f}")  # fmt: skip
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", default="1,32,128")
@@ -190,7 +145,6 @@ def main() -> None:
         "--amx", action="store_true",
         help="--tiled in bfloat16: oneDNN, the C FMA tiles and the C AMX tiles",
     )  # fmt: skip
-    p.add_argument("--gated", action="store_true", help="SiLU MLP: post-ops against C SiLU")
     p.add_argument("--threads", type=int, default=0, help="--tiled: torch threads (0: as is)")
     p.add_argument("--cpu-time", action="store_true", help="--tiled: process CPU time")
     args = p.parse_args()
@@ -198,9 +152,6 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.tiled:
         tiled_main(args)
-        return
-    if args.gated:
-        gated_main(args)
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}")  # fmt: skip

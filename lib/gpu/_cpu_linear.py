@@ -129,45 +129,6 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
-def packed_silu_mul(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SiLU(x . gate^T) * (x . up^T), both weights packed by `pack_weight`: the SiLU is the
-    gate product's oneDNN post-op and the multiply the up product's, so the [T, 2I] gate/up
-    output and the separate SiLU * up pass over it are gone. In bfloat16 the up product meets
-    the rounded SiLU(gate) unrounded (one rounding where torch's forward has two).
-
-    SmolLM2's 30 MLPs up to their down products, 2 threads (`perf/linear_bench.py --gated
-    --tokens 32,160,2048`): bfloat16 0.94x the time at 32 and 160 rows, 0.88x at 2048 (94.7
-    -> 83.3 ms); float32 1.04x, 1.03x and 0.97x, so float32 keeps [gate | up] and the C
-    SiLU (`SILU_POST_OPS`)."""
-    g = torch.ops.mkldnn._linear_pointwise(x, gate, None, "swish", [], "")
-    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(x, g, up, None, "mul")
-    return out
-
-
-# The dtypes a packed SiLU MLP runs through `packed_silu_mul` (measured: its docstring).
-SILU_POST_OPS = frozenset({torch.bfloat16, torch.float16})
-
-
-@functools.cache
-def packed_silu_mul_available(dtype: torch.dtype) -> bool:
-    """oneDNN packs `dtype` here and this torch has the post-op products `packed_silu_mul`
-    runs, and they compute it (checked once on a small case against F.silu * F.linear)."""
-    if not packed_linear_available(dtype) or not hasattr(
-        torch.ops.mkldnn._linear_pointwise, "binary"
-    ):
-        return False
-    gen = torch.Generator().manual_seed(0)
-    x, gate, up = (torch.randn(n, 32, generator=gen) for n in (3, 48, 48))
-    want = torch.nn.functional.silu(x @ gate.T) * (x @ up.T)
-    try:
-        args = (x.to(dtype), pack_weight(gate.to(dtype)), pack_weight(up.to(dtype)))
-        got = packed_silu_mul(*args).float()
-    except RuntimeError:
-        return False
-    tolerance = 1e-4 if dtype == torch.float32 else 0.1
-    return bool(torch.allclose(got, want, atol=tolerance, rtol=0.05))
-
-
 def packed_linear_available(dtype: torch.dtype) -> bool:
     """oneDNN packs `dtype` on this CPU (the probe's answer; for benchmarks and tests)."""
     return _NAMES.get(dtype) in probe_cpu_features().onednn_packs

@@ -18,13 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._cpu_linear import (
-    SILU_POST_OPS,
-    pack_weight,
-    packed_linear,
-    packed_silu_mul,
-    packed_silu_mul_available,
-)
+from ._cpu_linear import pack_weight, packed_linear
 from ._cpu_ops import cpu_norms
 from ._gguf_blocks import QuantizedTensor
 from ._lora_slots import LoraLinear
@@ -166,9 +160,6 @@ class ColumnParallelLinear(nn.Module):
         self.quantized: QuantizedLinearWeight | None = None
         self._quantized_parts: dict[int, QuantizedTensor] = {}
         self.lora: LoraLinear | None = None  # `--enable-lora`: the adapters' slots
-        # Set by an MLP whose act is SiLU: `pack` packs gate and up apart (`silu_mul`).
-        self.silu_gate = False
-        self.packed_gate_up: tuple[torch.Tensor, torch.Tensor] | None = None
         # Kept quantized in C tiles (`_tiles`), gate/up goes tile by tile, as the C decode
         # step fuses SiLU(gate) * up; the forward still sees [gate | up].
         self.interleaved = (
@@ -221,36 +212,13 @@ class ColumnParallelLinear(nn.Module):
             self.weight.data[start : start + rows.shape[0]].copy_(rows.dequantize())
 
     def pack(self) -> None:
-        """Move the loaded weight into oneDNN's layout (CPU only; see `_cpu_linear`): a SiLU
-        MLP's gate and up apart, for `silu_mul`."""
-        if self.quantized is not None:
-            return
-        if (
-            self.silu_gate
-            and self.bias is None
-            and self.weight.dtype in SILU_POST_OPS
-            and len(self.shard_sizes) == 2
-            and packed_silu_mul_available(self.weight.dtype)
-        ):
-            half = self.shard_sizes[0]
-            gate, up = self.weight[:half], self.weight[half:]
-            self.packed_gate_up = (pack_weight(gate), pack_weight(up))
-        else:
+        """Move the loaded weight into oneDNN's layout (CPU only; see `_cpu_linear`)."""
+        if self.quantized is None:
             self.packed = pack_weight(self.weight)
-        _drop(self.weight)
-
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """SiLU(gate) * up in oneDNN's two products (`packed_silu_mul`), or None where the
-        weights are not packed apart or adapters add to [gate | up] first."""
-        if self.packed_gate_up is None or self.lora is not None:
-            return None
-        return packed_silu_mul(x, *self.packed_gate_up)
+            _drop(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_gate_up is not None:  # [gate | up] of the two packed halves
-            out = torch.cat([packed_linear(x, w, None) for w in self.packed_gate_up], dim=-1)
-        else:
-            out = _linear(x, self.quantized, self.packed, self.weight, self.bias)
+        out = _linear(x, self.quantized, self.packed, self.weight, self.bias)
         return out if self.lora is None else self.lora.add_delta(x, out)
 
 

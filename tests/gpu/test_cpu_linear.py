@@ -9,21 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from trillm.gpu import CpuFeatures, CpuLinearUnsupportedError, probe_cpu_features
-from trillm.gpu._cpu_linear import (
-    choose_cpu_linear,
-    pack_weight,
-    packed_linear,
-    packed_linear_available,
-    packed_silu_mul,
-    packed_silu_mul_available,
-)
-from trillm.gpu._cpu_ops import silu_mul
-from trillm.gpu._model_config import ModelConfig
-from trillm.gpu._parallel import TensorParallel
-from trillm.gpu.models.llama import LlamaMLP
+from trillm.gpu._cpu_linear import choose_cpu_linear, pack_weight, packed_linear
 
 # An AVX2-only CPU as torch sees it: oneDNN packs float32 only (the machine of issue 12).
 AVX2 = CpuFeatures("AVX2", onednn_packs=frozenset({"float32"}))
@@ -104,47 +92,3 @@ def test_the_probe_tells_the_truth_about_packing(dtype: torch.dtype) -> None:
     elif torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         with pytest.raises(RuntimeError):
             pack_weight(weight)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_post_op_silu_mul_matches_torch(dtype: torch.dtype) -> None:
-    """SiLU(x . gate) * (x . up) as oneDNN's post-ops, against torch's float64, where this CPU
-    packs the dtype (float32 always); bfloat16 to its rounding. There the probe must say yes:
-    it runs the same products, so a wrong one would otherwise only turn the path off."""
-    if not packed_linear_available(dtype) or not hasattr(
-        torch.ops.mkldnn._linear_pointwise, "binary"
-    ):
-        pytest.skip(f"oneDNN does not pack {dtype} here, or this torch has no post-op products")
-    assert packed_silu_mul_available(dtype)
-    gen = torch.Generator().manual_seed(0)
-    x, gate, up = (torch.randn(n, 96, generator=gen) for n in (37, 160, 160))
-    x, gate, up = x.to(dtype), (gate * 0.2).to(dtype), (up * 0.2).to(dtype)
-    got = packed_silu_mul(x, pack_weight(gate), pack_weight(up))
-    want = F.silu(x.double() @ gate.double().T) * (x.double() @ up.double().T)
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.double(), want, atol=tolerance, rtol=tolerance)
-
-
-def test_a_packed_silu_mlp_runs_the_post_ops_and_still_gives_gate_up() -> None:
-    """A bfloat16 SiLU MLP packed on a CPU that runs the post-ops keeps gate and up apart:
-    its forward is the post-op product (the C SiLU's result to bfloat16 rounding), and the
-    gate/up linear itself still answers [gate | up] (what LoRA adds its deltas to)."""
-    if not packed_silu_mul_available(torch.bfloat16):
-        pytest.skip("oneDNN's post-op products do not run bfloat16 here")
-    config = ModelConfig.from_dict(
-        {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
-         "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 32}
-    )  # fmt: skip
-    mlp = LlamaMLP(config, TensorParallel(), torch.bfloat16)
-    gen = torch.Generator().manual_seed(0)
-    weight = (torch.randn(192, 64, generator=gen) * 0.2).bfloat16()
-    mlp.gate_up_proj.weight.data.copy_(weight)
-    mlp.down_proj.weight.data.copy_((torch.randn(64, 96, generator=gen) * 0.2).bfloat16())
-    down = mlp.down_proj.weight.detach().clone()
-    x = torch.randn(21, 64, generator=gen).bfloat16()
-    want = F.linear(silu_mul(F.linear(x, weight)), down)
-    mlp.gate_up_proj.pack()
-    mlp.down_proj.pack()
-    assert mlp.gate_up_proj.packed_gate_up is not None and mlp.gate_up_proj.packed is None
-    torch.testing.assert_close(mlp.gate_up_proj(x), F.linear(x, weight), atol=0.05, rtol=0.02)
-    torch.testing.assert_close(mlp(x), want, atol=0.05, rtol=0.05)

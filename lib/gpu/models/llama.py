@@ -152,16 +152,12 @@ class LlamaMLP(nn.Module):
             what="intermediate_size",
             interleaved=True,
         )
-        self.gate_up_proj.silu_gate = self.act == "silu"  # CPU: oneDNN's post-ops (`pack`)
         self.down_proj = RowParallelLinear(
             size, config.hidden_size, bias=False, tp=tp, dtype=dtype, what="intermediate_size"
         )
         self.fused: FusedOps | None = None  # CUDA: SiLU * up in one kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = self.gate_up_proj.silu_mul(x) if x.dim() == 2 else None
-        if act is not None:
-            return self.down_proj(act)  # type: ignore[no-any-return]
         gate_up = self.gate_up_proj(x)
         if self.fused is not None and self.act == "silu":
             act = self.fused.silu_mul(gate_up)
