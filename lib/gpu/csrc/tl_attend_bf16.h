@@ -30,6 +30,28 @@
  * weights' pairs, the output sums. */
 #define DP_WORK_FLOATS(D) ((MAX_GROUP + 1) * (D) / 2 + MAX_GROUP * DP_KEYS / 2 + MAX_GROUP * (D))
 
+/* A sequence's cache slots in key order, from its block table (`table`, blocks of B): the
+ * next key's slot by a step, for the walk over its keys below (against `j / B`,
+ * `j % B` at each key no time measured either way: perf/prompt_attention_bench.py). */
+struct slot_cursor {
+    const int32_t *table;
+    int B, block, offset;
+};
+
+static inline struct slot_cursor slots_from(const int32_t *table, int B, int j) {
+    return (struct slot_cursor){table, B, j / B, j % B};
+}
+
+/* The slot of the cursor's key, moving it to the next key. */
+static inline size_t next_slot(struct slot_cursor *c) {
+    size_t slot = (size_t)c->table[c->block] * c->B + (size_t)c->offset;
+    if (++c->offset == c->B) {
+        c->offset = 0;
+        c->block++;
+    }
+    return slot;
+}
+
 static inline __m512 dp_pairs(__m512 acc, __m512i a, __m512i b) {
     return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 }
@@ -44,6 +66,20 @@ static void dp_unpermute(const float *o, int D, float inv, float *out) {
                                            28, 29, 30, 31) * inv;
         memcpy(out + d, &a, sizeof a);
         memcpy(out + d + 16, &b, sizeof b);
+    }
+}
+
+/* Fetch the rows of kv head `head` (its element offset in a slot of `row` elements) of the
+ * next `n` keys of `keys` in both caches: a row of one head is D of every Hkv * D elements,
+ * which the hardware's stream prefetch does not see. */
+static inline void dp_fetch(struct slot_cursor *keys, int n, const uint16_t *kcache,
+                            const uint16_t *vcache, size_t row, size_t head, int D) {
+    for (int j = 0; j < n; j++) {
+        const size_t at = next_slot(keys) * row + head;
+        for (int b = 0; b < D; b += 32) {
+            __builtin_prefetch(kcache + at + b, 0, 3);
+            __builtin_prefetch(vcache + at + b, 0, 3);
+        }
     }
 }
 
@@ -86,25 +122,12 @@ static void attend_group_bf16(const float *q, int group, const void *kc, const v
     const int first = first_key(ctx, window);
     struct slot_cursor keys = slots_from(table, B, first);
     struct slot_cursor ahead = slots_from(table, B, first);
-    for (int j = first; j < first + DP_KEYS && j < ctx; j++) { /* the first chunk's rows */
-        const size_t at = next_slot(&ahead) * row + head;
-        for (int b = 0; b < D; b += 32) {
-            __builtin_prefetch(kcache + at + b, 0, 3);
-            __builtin_prefetch(vcache + at + b, 0, 3);
-        }
-    }
+    dp_fetch(&ahead, ctx - first < DP_KEYS ? ctx - first : DP_KEYS, kcache, vcache, row, head, D);
     for (int j0 = first; j0 < ctx; j0 += DP_KEYS) {
         const int n = ctx - j0 < DP_KEYS ? ctx - j0 : DP_KEYS;
         const uint16_t *kp[DP_KEYS], *vp[DP_KEYS];
-        /* The next chunk's rows, fetched while these are used: a row of head g is D of every
-         * Hkv * D elements, which the hardware's stream prefetch does not see. */
-        for (int j = j0 + DP_KEYS; j < j0 + 2 * DP_KEYS && j < ctx; j++) {
-            const size_t at = next_slot(&ahead) * row + head;
-            for (int b = 0; b < D; b += 32) {
-                __builtin_prefetch(kcache + at + b, 0, 3);
-                __builtin_prefetch(vcache + at + b, 0, 3);
-            }
-        }
+        const int later = ctx - j0 - n; /* the next chunk's rows, fetched while these are used */
+        dp_fetch(&ahead, later < DP_KEYS ? later : DP_KEYS, kcache, vcache, row, head, D);
         for (int c = 0; c < n; c++) {
             const size_t at = next_slot(&keys) * row + head;
             kp[c] = kcache + at;

@@ -78,28 +78,6 @@ static inline int first_key(int ctx, int window) {
     return window > 0 && ctx > window ? ctx - window : 0;
 }
 
-/* A sequence's cache slots in key order, from its block table (`table`, blocks of B): the
- * next key's slot by a step, where `j / B`, `j % B` divided at each key (no time measured
- * either way: perf/prompt_attention_bench.py's decode shapes). */
-struct slot_cursor {
-    const int32_t *table;
-    int B, block, offset;
-};
-
-static inline struct slot_cursor slots_from(const int32_t *table, int B, int j) {
-    return (struct slot_cursor){table, B, j / B, j % B};
-}
-
-/* The slot of the cursor's key, moving it to the next key. */
-static inline size_t next_slot(struct slot_cursor *c) {
-    size_t slot = (size_t)c->table[c->block] * c->B + (size_t)c->offset;
-    if (++c->offset == c->B) {
-        c->offset = 0;
-        c->block++;
-    }
-    return slot;
-}
-
 /* Scores soft-capped: cap * tanh(score / cap) (cap 0: as they are). */
 static inline float cap_score(float score, float cap) {
     return cap > 0.0f ? cap * tanhf(score / cap) : score;
@@ -213,17 +191,14 @@ static void attend_group(const float *q, int group, const float *k, const float 
     memset(out, 0, sizeof(float) * (size_t)group * D);
     memset(zeros, 0, sizeof(float) * (size_t)D);
     const size_t row = (size_t)Hkv * D, esize = ctype == TL_F32 ? 4 : 2;
-    const int first = first_key(ctx, window);
-    struct slot_cursor keys = slots_from(table, B, first);
-    struct slot_cursor ahead = slots_from(table, B, first + 16 < ctx ? first + 16 : first);
-    for (int j0 = first; j0 < ctx; j0 += 16) {
+    for (int j0 = first_key(ctx, window); j0 < ctx; j0 += 16) {
         int n = ctx - j0 < 16 ? ctx - j0 : 16;
         const float *kp[16], *vp[16];
         /* The next 16 keys' and values' rows, fetched while these are used: a row of head g
          * is D elements of every Hkv * D, so the hardware's stream prefetch does not see it
          * (measured: perf/README.md, decode_profile.py --batch 32). */
         for (int j = j0 + 16; j < j0 + 32 && j < ctx - 1; j++) {
-            size_t at = next_slot(&ahead) * row + (size_t)g * D;
+            size_t at = ((size_t)table[j / B] * B + (size_t)(j % B)) * row + (size_t)g * D;
             size_t off = at * esize;
             for (size_t b = 0; b < (size_t)D * esize; b += 64) {
                 __builtin_prefetch((const char *)kc + off + b, 0, 3);
@@ -238,7 +213,7 @@ static void attend_group(const float *q, int group, const float *k, const float 
                 kp[c] = k;
                 vp[c] = v;
             } else {
-                size_t off = next_slot(&keys) * row + (size_t)g * D;
+                size_t off = ((size_t)table[j / B] * B + (size_t)(j % B)) * row + (size_t)g * D;
                 if (ctype == TL_F32) {
                     kp[c] = (const float *)kc + off;
                     vp[c] = (const float *)vc + off;
