@@ -159,7 +159,8 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument(
         "--no-amx", action="store_true",
-        help="bfloat16: the C step's FMA tiles, not its AMX tiles (`_tiles.AMX_ENABLED`)",
+        help="bfloat16: the C step's FMA tiles, not its AMX tiles (AMX or vdpbf16ps products: "
+        "`_tiles.AMX_ENABLED`)",
     )  # fmt: skip
     p.add_argument("--model", help="default: the built-in SmolLM2 (its float32 conversion)")
     p.add_argument("--quantization", default="auto")

@@ -84,11 +84,12 @@ def amx_kernels(
     weights: list[list[torch.Tensor]],
 ) -> dict[str, list[list[Callable[[torch.Tensor], torch.Tensor]]]]:
     """bfloat16: oneDNN's packed linears (AMX where the CPU has it) against the C step's FMA
-    tiles and its AMX tiles (`csrc/tl_amx.h`)."""
-    from trillm.gpu._tiles import TiledLinear, amx_ready, amx_tiles, dense_tiles
+    tiles and its AMX tiles (`csrc/tl_amx.h`: AMX, or AVX512_BF16's `vdpbf16ps`)."""
+    from trillm.gpu._tiles import TiledLinear, amx_tiles, dense_tiles, pair_products, pairs_ready
 
-    if not amx_ready():
-        raise SystemExit("linear_bench --amx: the C kernels run no AMX here (amx_ready)")
+    if not pairs_ready():
+        raise SystemExit("linear_bench --amx: no AMX or vdpbf16ps products here (pairs_ready)")
+    print(f"linear_bench --amx: the AMX tiles' products run on {pair_products()}")
     bf16 = [[w.bfloat16() for w in layer] for layer in weights]
     return {
         "onednn_bf16": [

@@ -46,6 +46,8 @@ from ._tiles import (
     TiledLinear,
     Tiles,
     amx_ready,
+    pair_products,
+    pairs_ready,
     weight_tiles,
 )
 from .models.llama import KVCache, LlamaForCausalLM
@@ -92,7 +94,7 @@ class CpuStep:
         self.lib = _native.load("cpu_decode")
         self.lib.trillm_decode_scratch.restype = ctypes.c_int64
         self.model, self.dtype, self.max_batch = model, dtype, max_batch
-        amx = dtype == torch.bfloat16 and amx_ready()
+        amx = dtype == torch.bfloat16 and pairs_ready()
         self.layers = [layer_weights(layer, amx) for layer in model.decoder_layers()]
         self.head = _head_tiles(model, amx)
         self.head_linear = TiledLinear(self.head, cfg.vocab_size)
@@ -118,7 +120,8 @@ class CpuStep:
 
     def kinds(self) -> str:
         """The weight types in use, e.g. "q4, q8 head"."""
-        names = {F32: "float32", BF16: "bfloat16", Q4: "q4", Q8: "q8", BF16_AMX: "bfloat16 AMX"}
+        amx = f"bfloat16 AMX ({pair_products()})"
+        names = {F32: "float32", BF16: "bfloat16", Q4: "q4", Q8: "q8", BF16_AMX: amx}
         layers = sorted({names[t.kind] for w in self.layers for t in w.tiles()})
         return f"{'/'.join(layers)} layers, {names[self.head.kind]} head"
 

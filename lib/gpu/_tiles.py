@@ -36,8 +36,9 @@ from ._hugepages import on_huge_pages
 
 F32, BF16, Q4, Q8, BF16_AMX = 0, 1, 2, 3, 4  # the C code's weight types (TL_F32, ...)
 DENSE = {torch.float32: F32, torch.bfloat16: BF16}
-# bfloat16 weights in AMX tiles where the kernels can run them (`amx_ready`); perf tools turn
-# it off to measure the FMA tiles against them.
+# bfloat16 weights in AMX tiles where the kernels run their products in hardware (AMX, or
+# AVX512_BF16's `vdpbf16ps`: `pairs_ready`); perf tools turn it off to measure the FMA tiles
+# against them.
 AMX_ENABLED = True
 
 
@@ -91,6 +92,21 @@ def amx_ready() -> bool:
     the kernel: `csrc/tl_amx.h`), and `AMX_ENABLED`."""
     lib = tiled_kernels()
     return AMX_ENABLED and lib is not None and lib.trillm_amx_ready() == 1
+
+
+def pairs_ready() -> bool:
+    """Whether bfloat16 weights go to AMX tiles (`AMX_ENABLED`): where AMX runs their products
+    (`amx_ready`), or AVX512_BF16's `vdpbf16ps` does, two products an instruction to the FMA
+    tiles' one (AMD Zen 4: 32 decodes' linears 20.9 ms against 41.6, `perf/linear_bench.py
+    --tiled --amx`); not where only plain C would read them."""
+    lib = tiled_kernels()
+    return AMX_ENABLED and lib is not None and lib.trillm_pair_products() > 0
+
+
+def pair_products() -> str:
+    """What runs the AMX tiles' products here: "AMX", "vdpbf16ps" or "" (none)."""
+    lib = tiled_kernels()
+    return {2: "AMX", 1: "vdpbf16ps"}.get(lib.trillm_pair_products() if lib else 0, "")
 
 
 def amx_tiles(weight: torch.Tensor) -> Tiles:

@@ -2,9 +2,10 @@
 
 The oracle is torch's product of the same bfloat16 weights with the activations rounded to
 bfloat16 (what the tile unit multiplies, summed in float32). On a CPU or build without AMX the
-same layout is read by plain C, so the layout is checked everywhere; `amx_ready` says which
-ran. The C step with AMX tiles is checked against the torch forward in test_cpu_decode*.py
-(its bfloat16 tests take them where `amx_ready`); here it is checked against its own FMA tiles.
+same layout is read by AVX512_BF16's `vdpbf16ps` (AMD Zen 4) or, without it, by plain C, so
+the layout is checked everywhere; `_tiles.pair_products` says which ran. The C step with AMX
+tiles is checked against the torch forward in test_cpu_decode*.py (its bfloat16 tests take
+them where `pairs_ready`); here it is checked against its own FMA tiles.
 """
 
 from __future__ import annotations
@@ -86,12 +87,13 @@ def test_the_c_step_on_amx_tiles_is_close_to_its_fma_tiles(
     """36 decodes a step (the C step's AMX blocks of 32 tokens and a part block). The FMA
     tiles multiply float32 activations, the tile unit their bfloat16 rounding: close, not
     equal."""
-    if not _tiles.amx_ready():
-        pytest.skip("no AMX products here (amx_ready): the C step keeps its FMA tiles")
+    if not _tiles.pairs_ready():
+        pytest.skip("no AMX or vdpbf16ps products here (pairs_ready): the C step keeps FMA tiles")
     amx, tokens, lp = _greedy(tiny_model_dir, True, monkeypatch)
     fma, fma_tokens, fma_lp = _greedy(tiny_model_dir, False, monkeypatch)
     assert amx.cpu_step is not None and fma.cpu_step is not None
-    assert "bfloat16 AMX layers, bfloat16 AMX head" in amx.cpu_step.kinds()
+    kind = f"bfloat16 AMX ({_tiles.pair_products()})"
+    assert f"{kind} layers, {kind} head" in amx.cpu_step.kinds()
     assert "AMX" not in fma.cpu_step.kinds()
     assert amx.cpu_step.num_runs >= 5 and fma.cpu_step.num_runs >= 5  # every decode step
     _assert_bfloat16_close(tokens, fma_tokens, lp, fma_lp)
@@ -100,8 +102,9 @@ def test_the_c_step_on_amx_tiles_is_close_to_its_fma_tiles(
 LAYOUT_CHILD = """
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-from trillm.gpu._tiles import TiledLinear, amx_ready, amx_tiles
-assert not amx_ready()  # this build has no AMX: plain C reads the layout
+from trillm.gpu._tiles import TiledLinear, amx_ready, amx_tiles, pair_products, pairs_ready
+assert not amx_ready()  # this build has no AMX nor AVX512_BF16: plain C reads the layout
+assert not pairs_ready() and pair_products() == ""
 torch.manual_seed(0)
 for n, k, m in ((40, 64, 3), (96, 576, 33)):
     w, x = torch.randn(n, k).bfloat16(), torch.randn(m, k)
@@ -113,7 +116,8 @@ print("ok")
 
 @pytest.mark.slow
 def test_a_build_without_amx_reads_the_layout_in_plain_c(tmp_path: Path) -> None:
-    """Machines differ: an AVX2 build (no AMX) computes the same products from AMX tiles."""
+    """Machines differ: an AVX2 build (no AMX, no `vdpbf16ps`) computes the same products
+    from AMX tiles."""
     if os.uname().machine != "x86_64":
         pytest.skip("x86-64 levels")
     env = {**os.environ, "TRILLM_CPU_MARCH": "x86-64-v3", "TRILLM_CACHE_DIR": str(tmp_path)}

@@ -34,7 +34,7 @@ from trillm.gpu import (
 )
 from trillm.gpu._cpu_decode import build_cpu_step
 from trillm.gpu._gguf_blocks import BLOCK_BYTES, QuantizedTensor
-from trillm.gpu._tiles import Q4, Q8, amx_ready, tiled_kernels
+from trillm.gpu._tiles import Q4, Q8, pair_products, pairs_ready, tiled_kernels
 from trillm.gpu.models import family_for
 
 from . import families
@@ -165,7 +165,7 @@ def test_bfloat16_is_close(tmp_path: Path) -> None:
     _, eager_tokens, eager_lp = _run(model_dir, PROMPTS, dtype="bfloat16", enforce_eager=True)
     fused, tokens, lp = _run(model_dir, PROMPTS, dtype="bfloat16")
     assert fused.cpu_step is not None and fused.cpu_step.num_runs >= MAX_TOKENS - 4
-    layers = "bfloat16 AMX layers" if amx_ready() else "bfloat16 layers"  # tl_amx.h
+    layers = f"bfloat16 AMX ({pair_products()}) layers" if pairs_ready() else "bfloat16 layers"
     assert fused.kernels is not None and layers in fused.kernels.decode
     for got, want, got_lp, want_lp in zip(tokens, eager_tokens, lp, eager_lp, strict=True):
         same = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(got))

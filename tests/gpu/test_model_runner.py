@@ -292,7 +292,7 @@ def test_bf16_batched_decodes_leave_the_c_step_where_only_onednn_has_amx(
     assert runner.cpu_step is not None
     fma_only = amx and not _tiles.amx_ready()
     assert runner.cpu_step.max_batch == (AMX_BF16_MAX_BATCH if fma_only else MAX_BATCH)
-    assert ("bfloat16 AMX" in runner.cpu_step.kinds()) == _tiles.amx_ready()
+    assert ("bfloat16 AMX" in runner.cpu_step.kinds()) == _tiles.pairs_ready()
     assert f"up to {runner.cpu_step.max_batch} decodes" in (runner.kernels.decode or "")
     fp32 = make_runner(tiny_model_dir, cpu_features=features)
     assert fp32.cpu_step is not None and fp32.cpu_step.max_batch == MAX_BATCH

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from trillm.gpu._tiles import amx_ready, tiled_kernels
+from trillm.gpu._tiles import pair_products, pairs_ready, tiled_kernels
 
 from .conftest import start_server
 
@@ -77,10 +77,9 @@ def test_bfloat16_serves_on_plain_linears_and_says_so(tiny_model: Path, tmp_path
         "attention torch, decode "
     )
     # The cap reaches oneDNN and ATen, not the C kernels built for this CPU: AMX tiles where
-    # they run here (`amx_ready`), which a real AVX2-only CPU has not.
-    layers = (
-        "bfloat16 AMX layers" if tiled_kernels() is not None and amx_ready() else "bfloat16 layers"
-    )
+    # their products run here (`pairs_ready`), which a real AVX2-only CPU has not.
+    pairs = tiled_kernels() is not None and pairs_ready()
+    layers = f"bfloat16 AMX ({pair_products()}) layers" if pairs else "bfloat16 layers"
     assert (f", decode c (one call per step of up to 64 decodes; {layers}" in logged[0]) == (
         tiled_kernels() is not None
     )

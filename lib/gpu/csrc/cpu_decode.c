@@ -258,6 +258,10 @@ int trillm_linear(const void *w, int wtype, int K, int N, const float *x, int M,
  * process the tile state; else 0, and Python keeps bfloat16 weights in `TL_BF16`. */
 int trillm_amx_ready(void) { return amx_on(); }
 
+/* 2 when AMX runs the AMX layout's products (`TL_BF16_AMX`), 1 when AVX512_BF16's
+ * `vdpbf16ps` does (`tl_amx.h`), 0 when only plain C reads it: Python keeps `TL_BF16` then. */
+int trillm_pair_products(void) { return pair_products(); }
+
 /* A prompt step's attention task: kv head g of tokens m0 .. m0 + n - 1, a block of one
  * sequence (`attend_block`) when n >= BLOCK_MIN, else token m0 alone (`attend_group`); `cost`
  * is its keys times the lanes it computes, to hand out the dearest first. */

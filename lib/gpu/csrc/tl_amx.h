@@ -19,8 +19,11 @@
  * in float32 tiles.
  *
  * Where the compiler or the CPU has no AMX, or the kernel refuses the tile state, the same
- * layout is read by plain C (tests build it), and Python keeps to `TL_BF16` there
- * (`trillm_amx_ready`).
+ * layout is read by AVX512_BF16's `vdpbf16ps` where the build has it (`dp_block`: AMD Zen 4,
+ * Intel Cooper Lake), else by plain C (tests build it), and Python keeps to `TL_BF16` there
+ * (`trillm_pair_products`). Why `vdpbf16ps`: on a 2-core Zen 4 (no AMX) the FMA tiles took
+ * 41.6 ms for SmolLM2's 120 linears at M = 32, this 20.9, oneDNN's bfloat16 22.6
+ * (`perf/linear_bench.py --tiled --amx`), and the B=32 decode step went 64.2 -> 38.1 ms.
  */
 #ifndef TL_AMX_H
 #define TL_AMX_H
@@ -61,6 +64,99 @@ static void amx_block_c(const uint16_t *w, int K, int t, int pair, const uint16_
                 c[p][i][n] = s;
             }
     }
+}
+
+#if defined(__AVX512BF16__)
+#define TL_DP_PRODUCTS 1
+
+/* Token block `xb` (ROWS rows of K bfloat16, pairs read as one 32-bit word) against tile w0
+ * (and w1 when PAIR): per k pair the 16 outputs' weights are one register, each token's pair
+ * is broadcast, and one `vdpbf16ps` adds both products (32 of them: twice an FMA's). Blocks of
+ * 1-2 tokens keep two chains a tile (even and odd pairs) to hide the instruction's latency. */
+#define DEFINE_DP_BLOCK(NAME, ROWS, PAIR)                                                    \
+    static inline void NAME(const uint16_t *w0, const uint16_t *w1, int K, const uint16_t *xb, \
+                            float c[2][AMX_ROWS][16], int i0) {                              \
+        enum { CH = ROWS < 4 ? 2 : 1 };                                                      \
+        __m512 a[CH][ROWS], b[CH][ROWS];                                                     \
+        for (int h = 0; h < CH; h++)                                                         \
+            for (int i = 0; i < ROWS; i++) a[h][i] = b[h][i] = _mm512_setzero_ps();          \
+        const int KP = K / 2;                                                                \
+        const uint32_t *x32 = (const uint32_t *)xb;                                          \
+        for (int kp = 0; kp < KP; kp += CH)                                                  \
+            for (int h = 0; h < CH; h++) {                                                   \
+                const __m512bh u0 = (__m512bh)_mm512_loadu_si512(w0 + (size_t)(kp + h) * 32); \
+                const __m512bh u1 =                                                          \
+                    PAIR ? (__m512bh)_mm512_loadu_si512(w1 + (size_t)(kp + h) * 32) : u0;    \
+                for (int i = 0; i < ROWS; i++) {                                             \
+                    const __m512bh xv =                                                      \
+                        (__m512bh)_mm512_set1_epi32((int)x32[(size_t)i * KP + kp + h]);      \
+                    a[h][i] = _mm512_dpbf16_ps(a[h][i], xv, u0);                             \
+                    if (PAIR) b[h][i] = _mm512_dpbf16_ps(b[h][i], xv, u1);                   \
+                }                                                                            \
+            }                                                                                \
+        for (int i = 0; i < ROWS; i++) {                                                     \
+            __m512 s = CH == 2 ? _mm512_add_ps(a[0][i], a[CH - 1][i]) : a[0][i];             \
+            _mm512_store_ps(c[0][i0 + i], s);                                                \
+            if (PAIR) {                                                                      \
+                s = CH == 2 ? _mm512_add_ps(b[0][i], b[CH - 1][i]) : b[0][i];                \
+                _mm512_store_ps(c[1][i0 + i], s);                                            \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+#define DEFINE_DP_BLOCKS(ROWS)                     \
+    DEFINE_DP_BLOCK(dp_block1_##ROWS, ROWS, 0)     \
+    DEFINE_DP_BLOCK(dp_block2_##ROWS, ROWS, 1)
+DEFINE_DP_BLOCKS(12) /* the widest: 2 x 12 sums, 2 weight rows, a broadcast: 27 of 32 registers */
+DEFINE_DP_BLOCKS(8)
+DEFINE_DP_BLOCKS(4)
+DEFINE_DP_BLOCKS(2)
+DEFINE_DP_BLOCKS(1)
+
+/* `amx_block`'s products by `vdpbf16ps` (AVX512_BF16 without AMX: AMD Zen 4, Intel Cooper
+ * Lake), 12 tokens a pass over the tiles; K % 32 == 0 keeps every pair whole. Under 4 tokens
+ * the step is the weights' read: a pair's tiles one after the other, one sequential stream
+ * for the hardware's prefetch (both at once, with or without software prefetch 8-64 pairs
+ * ahead: 5-20% slower than the FMA tiles at M = 1; this way level, perf/README.md). */
+static void dp_block(const uint16_t *w, int K, int t, int pair, const uint16_t *xb, int rows,
+                     float c[2][AMX_ROWS][16]) {
+    const uint16_t *w0 = w + (size_t)t * K * 16, *w1 = w0 + (size_t)K * 16;
+    for (int i = 0; i < rows;) {
+        const int left = rows - i, n = left >= 12 ? 12 : left >= 8 ? 8 : left >= 4 ? 4
+                                                       : left >= 2 ? 2 : 1;
+        const uint16_t *x = xb + (size_t)i * K;
+#define DP_CASE(R)                                       \
+    case R:                                              \
+        if (pair == 2 && R < 4) {                        \
+            dp_block1_##R(w0, w0, K, x, c, i);           \
+            dp_block1_##R(w1, w1, K, x, c + 1, i);       \
+        } else if (pair == 2)                            \
+            dp_block2_##R(w0, w1, K, x, c, i);           \
+        else                                             \
+            dp_block1_##R(w0, w1, K, x, c, i);           \
+        break;
+        switch (n) {
+            DP_CASE(12)
+            DP_CASE(8)
+            DP_CASE(4)
+            DP_CASE(2)
+            DP_CASE(1)
+        }
+#undef DP_CASE
+        i += n;
+    }
+}
+#endif
+
+/* The products of the layout where no AMX runs: `vdpbf16ps` where built for AVX512_BF16, else
+ * plain C. */
+static inline void pairs_block(const uint16_t *w, int K, int t, int pair, const uint16_t *xb,
+                               int rows, float c[2][AMX_ROWS][16]) {
+#ifdef TL_DP_PRODUCTS
+    dp_block(w, K, t, pair, xb, rows, c);
+#else
+    amx_block_c(w, K, t, pair, xb, rows, c);
+#endif
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -125,7 +221,7 @@ static inline void amx_configure(void) {
 static void amx_block(const uint16_t *w, int K, int t, int pair, const uint16_t *xb, int rows,
                       float c[2][AMX_ROWS][16]) {
     if (!amx_on()) {
-        amx_block_c(w, K, t, pair, xb, rows, c);
+        pairs_block(w, K, t, pair, xb, rows, c);
         return;
     }
     const uint16_t *w0 = w + (size_t)t * K * 16, *w1 = w0 + (size_t)K * 16;
@@ -158,9 +254,18 @@ static inline void amx_configure(void) {}
 
 static void amx_block(const uint16_t *w, int K, int t, int pair, const uint16_t *xb, int rows,
                       float c[2][AMX_ROWS][16]) {
-    amx_block_c(w, K, t, pair, xb, rows, c);
+    pairs_block(w, K, t, pair, xb, rows, c);
 }
 
 #endif
+
+/* 2 when AMX runs the layout's products, 1 when `vdpbf16ps` does, 0 when plain C reads it. */
+static int pair_products(void) {
+#ifdef TL_DP_PRODUCTS
+    return amx_on() ? 2 : 1;
+#else
+    return amx_on() ? 2 : 0;
+#endif
+}
 
 #endif
