@@ -22,7 +22,7 @@
  * layout is read by AVX512_BF16's `vdpbf16ps` where the build has it (`dp_block`: AMD Zen 4,
  * Intel Cooper Lake), else by plain C (tests build it), and Python keeps to `TL_BF16` there
  * (`trillm_pair_products`). Why `vdpbf16ps`: on a 2-core Zen 4 (no AMX) the FMA tiles took
- * 41.6 ms for SmolLM2's 120 linears at M = 32, this 20.9, oneDNN's bfloat16 22.6
+ * 43.8 ms for SmolLM2's 120 linears at M = 32, this 22.9, oneDNN's bfloat16 22.4
  * (`perf/linear_bench.py --tiled --amx`), and the B=32 decode step went 64.2 -> 38.1 ms.
  */
 #ifndef TL_AMX_H
@@ -104,20 +104,23 @@ static void amx_block_c(const uint16_t *w, int K, int t, int pair, const uint16_
         }                                                                                    \
     }
 
-#define DEFINE_DP_BLOCKS(ROWS)                     \
-    DEFINE_DP_BLOCK(dp_block1_##ROWS, ROWS, 0)     \
-    DEFINE_DP_BLOCK(dp_block2_##ROWS, ROWS, 1)
-DEFINE_DP_BLOCKS(12) /* the widest: 2 x 12 sums, 2 weight rows, a broadcast: 27 of 32 registers */
-DEFINE_DP_BLOCKS(8)
-DEFINE_DP_BLOCKS(4)
-DEFINE_DP_BLOCKS(2)
-DEFINE_DP_BLOCKS(1)
+/* Tile pairs from 4 tokens (12: 2 x 12 sums, 2 weight rows, a broadcast: 27 of 32
+ * registers); single tiles at every width (under 4 tokens a pair goes one tile after the
+ * other, see `dp_block`). */
+DEFINE_DP_BLOCK(dp_pair_12, 12, 1)
+DEFINE_DP_BLOCK(dp_pair_8, 8, 1)
+DEFINE_DP_BLOCK(dp_pair_4, 4, 1)
+DEFINE_DP_BLOCK(dp_tile_12, 12, 0)
+DEFINE_DP_BLOCK(dp_tile_8, 8, 0)
+DEFINE_DP_BLOCK(dp_tile_4, 4, 0)
+DEFINE_DP_BLOCK(dp_tile_2, 2, 0)
+DEFINE_DP_BLOCK(dp_tile_1, 1, 0)
 
 /* `amx_block`'s products by `vdpbf16ps` (AVX512_BF16 without AMX: AMD Zen 4, Intel Cooper
  * Lake), 12 tokens a pass over the tiles; K % 32 == 0 keeps every pair whole. Under 4 tokens
  * the step is the weights' read: a pair's tiles one after the other, one sequential stream
- * for the hardware's prefetch (both at once, with or without software prefetch 8-64 pairs
- * ahead: 5-20% slower than the FMA tiles at M = 1; this way level, perf/README.md). */
+ * for the hardware's prefetch (both at once, with or without software prefetch, was slower
+ * than the FMA tiles at M = 1; this way level: perf/README.md). */
 static void dp_block(const uint16_t *w, int K, int t, int pair, const uint16_t *xb, int rows,
                      float c[2][AMX_ROWS][16]) {
     const uint16_t *w0 = w + (size_t)t * K * 16, *w1 = w0 + (size_t)K * 16;
@@ -125,24 +128,27 @@ static void dp_block(const uint16_t *w, int K, int t, int pair, const uint16_t *
         const int left = rows - i, n = left >= 12 ? 12 : left >= 8 ? 8 : left >= 4 ? 4
                                                        : left >= 2 ? 2 : 1;
         const uint16_t *x = xb + (size_t)i * K;
-#define DP_CASE(R)                                       \
-    case R:                                              \
-        if (pair == 2 && R < 4) {                        \
-            dp_block1_##R(w0, w0, K, x, c, i);           \
-            dp_block1_##R(w1, w1, K, x, c + 1, i);       \
-        } else if (pair == 2)                            \
-            dp_block2_##R(w0, w1, K, x, c, i);           \
-        else                                             \
-            dp_block1_##R(w0, w1, K, x, c, i);           \
+#define DP_PAIR(R)                                                                \
+    case R:                                                                       \
+        if (pair == 2)                                                            \
+            dp_pair_##R(w0, w1, K, x, c, i);                                      \
+        else                                                                      \
+            dp_tile_##R(w0, w0, K, x, c, i);                                      \
+        break;
+#define DP_TILES(R)                                                               \
+    case R:                                                                       \
+        dp_tile_##R(w0, w0, K, x, c, i);                                          \
+        if (pair == 2) dp_tile_##R(w1, w1, K, x, c + 1, i); /* c + 1: its c[1] */ \
         break;
         switch (n) {
-            DP_CASE(12)
-            DP_CASE(8)
-            DP_CASE(4)
-            DP_CASE(2)
-            DP_CASE(1)
+            DP_PAIR(12)
+            DP_PAIR(8)
+            DP_PAIR(4)
+            DP_TILES(2)
+            DP_TILES(1)
         }
-#undef DP_CASE
+#undef DP_PAIR
+#undef DP_TILES
         i += n;
     }
 }
