@@ -6,7 +6,9 @@ loaded machine's drift falls on both:
 - kernel: one layer's `trillm_attention` at SmolLM2-135M's attention shape (9 query heads over
   3 kv heads, head dim 64, 16-token cache blocks, rotary) for prompt steps (16 x 128, 1 x 512,
   1 x 2048; float32 and bfloat16 caches), a mixed step (32 decodes at 160 keys and a 160-token
-  prompt) and a decode-only step (64 at 512 keys: its path must not change);
+  prompt) and decode-only steps (64 at 512 keys in float32; 32 at 160 and at 512, and 128 at
+  512 in bfloat16). Those of 64 and 128 at 512 hold a cache past the L3 of the machines here
+  (50 MB), as a real step's 30 layers do: the others' caches stay in L2/L3 across repeats;
 - step (`--step`): the whole prefill step of `--prompts` x `--prompt-len` through the worker
   (SmolLM2-135M, `--dtype`), the runner's C library swapped between the builds step by step,
   the attention timed at its calls (`CAttention.attend_qkv`); `--sdpa` adds torch's SDPA
@@ -54,6 +56,7 @@ SHAPES: dict[str, tuple[list[tuple[int, int]], torch.dtype]] = {  # (cached, new
     "64 decodes at 512": ([(511, 1)] * 64, torch.float32),
     "32 decodes at 160 bfloat16": ([(159, 1)] * 32, torch.bfloat16),
     "32 decodes at 512 bfloat16": ([(511, 1)] * 32, torch.bfloat16),
+    "128 decodes at 512 bfloat16": ([(511, 1)] * 128, torch.bfloat16),
 }
 
 

@@ -71,14 +71,14 @@ static void dp_unpermute(const float *o, int D, float inv, float *out) {
 
 /* Fetch the rows of kv head `head` (its element offset in a slot of `row` elements) of the
  * next `n` keys of `keys` in both caches: a row of one head is D of every Hkv * D elements,
- * which the hardware's stream prefetch does not see. */
+ * which the hardware's stream prefetch does not see; into L2 (KV_FETCH_LEVEL). */
 static inline void dp_fetch(struct slot_cursor *keys, int n, const uint16_t *kcache,
                             const uint16_t *vcache, size_t row, size_t head, int D) {
     for (int j = 0; j < n; j++) {
         const size_t at = next_slot(keys) * row + head;
         for (int b = 0; b < D; b += 32) {
-            __builtin_prefetch(kcache + at + b, 0, 3);
-            __builtin_prefetch(vcache + at + b, 0, 3);
+            __builtin_prefetch(kcache + at + b, 0, KV_FETCH_LEVEL);
+            __builtin_prefetch(vcache + at + b, 0, KV_FETCH_LEVEL);
         }
     }
 }

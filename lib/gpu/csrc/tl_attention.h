@@ -5,6 +5,14 @@
 #include "tl_norm.h"
 #include "tl_vec.h"
 
+/* The locality the decode attention's K/V prefetches ask for: 2 (prefetcht1) brings a row into
+ * L2, not L1. With 3 (prefetcht0), as before, a chunk's 64-128 fetches queue on L1's few miss
+ * buffers and the walk over a cold cache ran at ~12 GB/s; into L2 the same kernels took
+ * 0.49-0.55x the time on a cache past L3 (Zen 4: prompt_attention_bench.py, "64 decodes at
+ * 512", "128 decodes at 512 bfloat16") and the B=32 decode step's attention part fell from
+ * 11.1 to 5.2 ms in bfloat16 (decode_profile.py --split --batch 32; perf/README.md). */
+#define KV_FETCH_LEVEL 2
+
 /* Element i of a float32 or bfloat16 (`type`) array. */
 static inline const void *elem_at(const void *p, int type, size_t i) {
     return (const char *)p + i * (type == TL_F32 ? 4 : 2);
@@ -201,8 +209,8 @@ static void attend_group(const float *q, int group, const float *k, const float 
             size_t at = ((size_t)table[j / B] * B + (size_t)(j % B)) * row + (size_t)g * D;
             size_t off = at * esize;
             for (size_t b = 0; b < (size_t)D * esize; b += 64) {
-                __builtin_prefetch((const char *)kc + off + b, 0, 3);
-                __builtin_prefetch((const char *)vc + off + b, 0, 3);
+                __builtin_prefetch((const char *)kc + off + b, 0, KV_FETCH_LEVEL);
+                __builtin_prefetch((const char *)vc + off + b, 0, KV_FETCH_LEVEL);
             }
         }
         for (int c = 0; c < 16; c++) { /* keys past the context read zeros, weigh 0 */
