@@ -8,6 +8,11 @@ MKL keeps to AVX2 on AMD CPUs; oneDNN uses AVX-512 where the CPU has it (`lib/gp
     python perf/linear_bench.py [--tokens 1,32,128] [--dtypes float32,bfloat16]
     python perf/linear_bench.py --tiled [--tokens 1,8,32,128,512] [--threads 1 --cpu-time]
     python perf/linear_bench.py --tiled --amx [--tokens 1,16,32,64]   (bfloat16)
+    python perf/linear_bench.py --tiled [--amx] --base REV
+
+`--base REV` adds each C kernel built from git revision REV's `lib/gpu/csrc`
+(`prompt_attention_bench.build_base`) as a column of its own ("...@base"), interleaved with
+this tree's: a before/after of a kernel change in one process, on the same machine state.
 
 `--tiled` times trillm's C tiles (`lib/gpu/_tiles.py`) the same way: float32 tiles against
 oneDNN's packed float32, and the weights as GGUF Q4_1 blocks in C tiles (float32 activations)
@@ -65,7 +70,7 @@ def tiled_main(args: argparse.Namespace) -> None:
     weights = [[torch.randn(n, k) * 0.05 for k, n in SHAPES] for _ in range(LAYERS)]
     kernels: dict[str, list[list[Callable[[torch.Tensor], torch.Tensor]]]]
     if args.amx:
-        tiled_runs(args, amx_kernels(weights), torch.bfloat16)
+        tiled_runs(args, with_base(args, amx_kernels(weights)), torch.bfloat16)
         return
     q4 = [[gguf_blocks(w) for w in layer] for layer in weights]
     kernels = {
@@ -77,7 +82,31 @@ def tiled_main(args: argparse.Namespace) -> None:
         "int4_bf16": [[Int4Weight([q], q.shape[0]) for q in layer] for layer in q4],
         "c_q4_1": [[TiledLinear(quantized_tiles([q]), q.shape[0]) for q in layer] for layer in q4],
     }
-    tiled_runs(args, kernels, torch.float32)
+    tiled_runs(args, with_base(args, kernels), torch.float32)
+
+
+def with_base(
+    args: argparse.Namespace, kernels: dict[str, list[list[Callable[[torch.Tensor], torch.Tensor]]]]
+) -> dict[str, list[list[Callable[[torch.Tensor], torch.Tensor]]]]:
+    """`kernels`, and with `--base` each C kernel again on REV's build (same weights)."""
+    import copy
+
+    from prompt_attention_bench import build_base
+    from trillm.gpu._tiles import TiledLinear
+
+    if not args.base:
+        return kernels
+    lib = build_base(args.base)
+    out = dict(kernels)
+    for name, layers in kernels.items():
+        if not all(isinstance(f, TiledLinear) for layer in layers for f in layer):
+            continue
+        based = [[copy.copy(f) for f in layer] for layer in layers]
+        for layer in based:
+            for f in layer:
+                f.lib = lib
+        out[f"{name}@base"] = based
+    return out
 
 
 def amx_kernels(
@@ -148,6 +177,7 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument("--threads", type=int, default=0, help="--tiled: torch threads (0: as is)")
     p.add_argument("--cpu-time", action="store_true", help="--tiled: process CPU time")
+    p.add_argument("--base", default="", help="--tiled: also the C kernels of git revision REV")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -72,17 +72,25 @@ static void amx_block_c(const uint16_t *w, int K, int t, int pair, const uint16_
 /* Token block `xb` (ROWS rows of K bfloat16, pairs read as one 32-bit word) against tile w0
  * (and w1 when PAIR): per k pair the 16 outputs' weights are one register, each token's pair
  * is broadcast, and one `vdpbf16ps` adds both products (32 of them: twice an FMA's). Blocks of
- * 1-2 tokens keep two chains a tile (even and odd pairs) to hide the instruction's latency. */
+ * 1-2 tokens keep two chains a tile (even and odd pairs) to hide the instruction's latency.
+ * `pf_lines` 64-byte lines from `pf` are fetched into L2 as it goes, two a k pair (`dp_block`
+ * says why). */
 #define DEFINE_DP_BLOCK(NAME, ROWS, PAIR)                                                    \
     static inline void NAME(const uint16_t *w0, const uint16_t *w1, int K, const uint16_t *xb, \
-                            float c[2][AMX_ROWS][16], int i0) {                              \
+                            float c[2][AMX_ROWS][16], int i0, const char *pf, int pf_lines) { \
         enum { CH = ROWS < 4 ? 2 : 1 };                                                      \
         __m512 a[CH][ROWS], b[CH][ROWS];                                                     \
         for (int h = 0; h < CH; h++)                                                         \
             for (int i = 0; i < ROWS; i++) a[h][i] = b[h][i] = _mm512_setzero_ps();          \
         const int KP = K / 2;                                                                \
         const uint32_t *x32 = (const uint32_t *)xb;                                          \
-        for (int kp = 0; kp < KP; kp += CH)                                                  \
+        for (int kp = 0; kp < KP; kp += CH) {                                                \
+            if (pf_lines > 0) {                                                              \
+                __builtin_prefetch(pf, 0, 2);                                                \
+                __builtin_prefetch(pf + 64, 0, 2);                                           \
+                pf += 128;                                                                   \
+                pf_lines -= 2;                                                               \
+            }                                                                                \
             for (int h = 0; h < CH; h++) {                                                   \
                 const __m512bh u0 = (__m512bh)_mm512_loadu_si512(w0 + (size_t)(kp + h) * 32); \
                 const __m512bh u1 =                                                          \
@@ -94,6 +102,7 @@ static void amx_block_c(const uint16_t *w, int K, int t, int pair, const uint16_
                     if (PAIR) b[h][i] = _mm512_dpbf16_ps(b[h][i], xv, u1);                   \
                 }                                                                            \
             }                                                                                \
+        }                                                                                    \
         for (int i = 0; i < ROWS; i++) {                                                     \
             __m512 s = CH == 2 ? _mm512_add_ps(a[0][i], a[CH - 1][i]) : a[0][i];             \
             _mm512_store_ps(c[0][i0 + i], s);                                                \
@@ -116,29 +125,48 @@ DEFINE_DP_BLOCK(dp_tile_4, 4, 0)
 DEFINE_DP_BLOCK(dp_tile_2, 2, 0)
 DEFINE_DP_BLOCK(dp_tile_1, 1, 0)
 
+/* Tokens of `dp_block`'s next block, of `left` still to do. */
+static inline int dp_rows(int left) {
+    return left >= 12 ? 12 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+}
+
 /* `amx_block`'s products by `vdpbf16ps` (AVX512_BF16 without AMX: AMD Zen 4, Intel Cooper
  * Lake), 12 tokens a pass over the tiles; K % 32 == 0 keeps every pair whole. Under 4 tokens
  * the step is the weights' read: a pair's tiles one after the other, one sequential stream
  * for the hardware's prefetch (both at once, with or without software prefetch, was slower
- * than the FMA tiles at M = 1; this way level: perf/README.md). */
+ * than the FMA tiles at M = 1; this way level: perf/README.md).
+ *
+ * From 20 tokens the passes after the first fetch the next tile pair into L2, shared out
+ * among them: the first pass reads this pair from memory while the later ones read it from
+ * L2, so without it the weight stream stalls the first pass and idles in the others. The
+ * 120 linears took 0.90-0.93x the time at M = 20-32 and 0.96x at 64
+ * (`linear_bench.py --tiled --amx --base`); at 16 (passes of 12 and 4) the short second pass
+ * cannot hide a whole pair and it was slower. The pair after the last is past the weight:
+ * a prefetch does not fault. */
 static void dp_block(const uint16_t *w, int K, int t, int pair, const uint16_t *xb, int rows,
                      float c[2][AMX_ROWS][16]) {
     const uint16_t *w0 = w + (size_t)t * K * 16, *w1 = w0 + (size_t)K * 16;
-    for (int i = 0; i < rows;) {
-        const int left = rows - i, n = left >= 12 ? 12 : left >= 8 ? 8 : left >= 4 ? 4
-                                                       : left >= 2 ? 2 : 1;
+    int passes = 0;
+    for (int left = rows; left > 0; passes++) left -= dp_rows(left);
+    const int lines = pair == 2 && rows >= 20 ? K * 16 * 2 * 2 / 64 : 0; /* of the next pair */
+    const int share = passes > 1 ? (lines + passes - 2) / (passes - 1) : 0;
+    const char *next = (const char *)(w0 + (size_t)2 * K * 16);
+    for (int i = 0, pass = 0; i < rows; pass++) {
+        const int n = dp_rows(rows - i), from = pass ? (pass - 1) * share : lines;
+        const char *pf = next + (size_t)from * 64;
+        const int pf_lines = from < lines ? (lines - from < share ? lines - from : share) : 0;
         const uint16_t *x = xb + (size_t)i * K;
 #define DP_PAIR(R)                                                                \
     case R:                                                                       \
         if (pair == 2)                                                            \
-            dp_pair_##R(w0, w1, K, x, c, i);                                      \
+            dp_pair_##R(w0, w1, K, x, c, i, pf, pf_lines);                        \
         else                                                                      \
-            dp_tile_##R(w0, w0, K, x, c, i);                                      \
+            dp_tile_##R(w0, w0, K, x, c, i, NULL, 0);                             \
         break;
 #define DP_TILES(R)                                                               \
     case R:                                                                       \
-        dp_tile_##R(w0, w0, K, x, c, i);                                          \
-        if (pair == 2) dp_tile_##R(w1, w1, K, x, c + 1, i); /* c + 1: its c[1] */ \
+        dp_tile_##R(w0, w0, K, x, c, i, NULL, 0);                                 \
+        if (pair == 2) dp_tile_##R(w1, w1, K, x, c + 1, i, NULL, 0); /* its c[1] */ \
         break;
         switch (n) {
             DP_PAIR(12)
