@@ -25,6 +25,11 @@ in the same run (a 2048 and a 4096 square fp32 matmul, oneDNN's and MKL's, on ev
 On a busy machine two OpenMP threads wait for each other at every barrier while the other
 work holds the cores, and wall times mean little: `--threads 1 --cpu-time` measures one
 thread's efficiency by the process's CPU time instead, the peak likewise.
+
+`--split --interfere BUSY_MS,PERIOD_MS` runs a child process beside the split that spins for
+BUSY_MS and sleeps PERIOD_MS, over and over: a stand-in for the API server and the client
+that share a serving run's cores with the engine (each takes a core for bursts while the
+step's threads meet at barriers), to see what such bursts cost the step.
 """
 
 from __future__ import annotations
@@ -32,8 +37,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +64,33 @@ def weight_bytes(worker: Worker) -> int:
     model = worker.runner.model
     assert model is not None
     return model.decode_read_bytes()
+
+
+SPIN = """
+import sys, time
+busy, period = float(sys.argv[1]) / 1e3, float(sys.argv[2]) / 1e3
+while True:
+    t = time.perf_counter()
+    while time.perf_counter() - t < busy:
+        pass
+    time.sleep(period)
+"""
+
+
+@contextmanager
+def interference(spec: str) -> Iterator[None]:
+    """A child spinning `BUSY_MS` every `PERIOD_MS` while the block runs ("": none)."""
+    if not spec:
+        yield
+        return
+    busy, period = (float(v) for v in spec.split(","))
+    print(f"decode_profile: a child spins {busy} ms, then sleeps {period} ms, throughout")
+    child = subprocess.Popen([sys.executable, "-c", SPIN, str(busy), str(period)])
+    try:
+        yield
+    finally:
+        child.kill()
+        child.wait()
 
 
 def load(args: argparse.Namespace, *, eager: bool) -> Worker:
@@ -176,6 +212,7 @@ def main() -> None:
     p.add_argument(
         "--c-step-max", type=int, help="--split: the C step's max_batch lowered to this"
     )  # fmt: skip
+    p.add_argument("--interfere", default="", help="--split: BUSY_MS,PERIOD_MS (see above)")
     args = p.parse_args()
     if args.no_huge_pages:
         from trillm.gpu import _hugepages
@@ -186,7 +223,8 @@ def main() -> None:
 
         _tiles.AMX_ENABLED = False
     if args.split:
-        split_main(args)
+        with interference(args.interfere):
+            split_main(args)
         return
     workers = {"c": load(args, eager=False), "torch": load(args, eager=True)}
     decode = workers["c"].runner.cpu_step

@@ -92,6 +92,7 @@ def with_base(
     import copy
 
     from prompt_attention_bench import build_base
+
     from trillm.gpu._tiles import TiledLinear
 
     if not args.base:
