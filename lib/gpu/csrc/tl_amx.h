@@ -139,7 +139,7 @@ static inline int dp_rows(int left) {
  * From 20 tokens the passes after the first fetch the next tile pair into L2, shared out
  * among them: the first pass reads this pair from memory while the later ones read it from
  * L2, so without it the weight stream stalls the first pass and idles in the others. The
- * 120 linears took 0.90-0.93x the time at M = 20-32 and 0.96x at 64
+ * 120 linears took 0.88-0.93x the time at M = 20-32 and 0.96x at 64
  * (`linear_bench.py --tiled --amx --base`); at 16 (passes of 12 and 4) the short second pass
  * cannot hide a whole pair and it was slower. The pair after the last is past the weight:
  * a prefetch does not fault. */

@@ -8,7 +8,7 @@
 /* The locality the decode attention's K/V prefetches ask for: 2 (prefetcht1) brings a row into
  * L2, not L1. With 3 (prefetcht0), as before, a chunk's 64-128 fetches queue on L1's few miss
  * buffers and the walk over a cold cache ran at ~12 GB/s; into L2 the same kernels took
- * 0.49-0.55x the time on a cache past L3 (Zen 4: prompt_attention_bench.py, "64 decodes at
+ * 0.49-0.54x the time on a cache past L3 (Zen 4: prompt_attention_bench.py, "64 decodes at
  * 512", "128 decodes at 512 bfloat16") and the B=32 decode step's attention part fell from
  * 11.1 to 5.2 ms in bfloat16 (decode_profile.py --split --batch 32; perf/README.md). */
 #define KV_FETCH_LEVEL 2
