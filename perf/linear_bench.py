@@ -26,6 +26,7 @@ times mean little: `--threads 1 --cpu-time` times one thread by the process's CP
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 from collections.abc import Callable
 from functools import partial
@@ -89,8 +90,6 @@ def with_base(
     args: argparse.Namespace, kernels: dict[str, list[list[Callable[[torch.Tensor], torch.Tensor]]]]
 ) -> dict[str, list[list[Callable[[torch.Tensor], torch.Tensor]]]]:
     """`kernels`, and with `--base` each C kernel again on REV's build (same weights)."""
-    import copy
-
     from prompt_attention_bench import build_base
 
     from trillm.gpu._tiles import TiledLinear
