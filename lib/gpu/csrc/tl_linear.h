@@ -4,6 +4,7 @@
 
 #include "tl_amx.h"
 #include "tl_lora.h"
+#include "tl_narrow.h"
 #include "tl_vec.h"
 
 /* acc[i] = sum_k tile[k] * x[i * ldx + k] for ROWS tokens; two chains per token. */
@@ -282,6 +283,8 @@ static void group_sums(const float *x, int ldx, int M, int K, float *xsum) {
 
 enum { OUT_STORE = 0, OUT_ADD = 1 };
 
+#include "tl_narrow_linear.h"
+
 /* out[m, n] = (OUT_STORE) or += alpha * (OUT_ADD) x[m] . w[n] + bias[n] for the tiles
  * [t0, t1) and every token m < M; rows n >= N (the last tile's padding) are not written.
  * `xsum`: `group_sums` of x (Q4). `lora` (NULL: none): the tokens' adapter deltas, added to
@@ -299,6 +302,10 @@ static void linear_tiles(const void *w, int wtype, int K, int N, const float *bi
                          lora, xb);
         return;
     }
+#ifdef TL_NARROW
+    nlinear_tiles(w, wtype, K, N, bias, x, ldx, M, xsum, out, ldo, mode, alpha, t0, t1, lora);
+    return;
+#endif
     f32x16 acc[2][PAIR_TOKENS];
     const int G = wtype == TL_Q4 ? K / 32 : 0, dense = wtype == TL_F32 || wtype == TL_BF16;
     for (int t = t0; t < t1;) {
@@ -353,6 +360,10 @@ static void gate_up_tiles(const void *w, int wtype, int K, const float *x, int l
         amx_gate_up_tiles((const uint16_t *)w, K, x, ldx, M, act, I, j0, j1, kind, lora, xb);
         return;
     }
+#ifdef TL_NARROW
+    ngate_up_tiles(w, wtype, K, x, ldx, M, xsum, act, I, j0, j1, kind, interleaved, lora);
+    return;
+#endif
     f32x16 g[PAIR_TOKENS], u[PAIR_TOKENS];
     const int G = wtype == TL_Q4 ? K / 32 : 0, dense = wtype == TL_F32 || wtype == TL_BF16;
     for (int j = j0; j < j1; j++) {

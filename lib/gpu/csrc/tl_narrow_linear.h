@@ -1,0 +1,80 @@
+/* trillm C kernels: `linear_tiles` and `gate_up_tiles` at 8 float lanes (`tl_narrow.h`).
+ *
+ * The same contract as the 64-byte functions in `tl_linear.h` (which call these where
+ * `TL_NARROW` is built): tiles [t0, t1) against every token, a tile at a time against blocks
+ * of up to NROWS tokens; the first block reads the tile from memory, the others from L1/L2
+ * (a tile of SmolLM2 is 36-96 KB). The sums land in a small float array (`acc`), the
+ * epilogue (LoRA delta, bias, store or add, the gate's activation) reads them from there in
+ * 8-lane halves. Included by `tl_linear.h` after OUT_STORE / OUT_ADD. */
+#ifndef TL_NARROW_LINEAR_H
+#define TL_NARROW_LINEAR_H
+
+#ifdef TL_NARROW
+
+/* acc[16] += the LoRA delta of tile `t` for token m (`lora_delta` is a 64-byte vector: it goes
+ * through memory here, once per tile and token of an adapter row). */
+static inline void nlora_add(const struct tl_lora_rows *lora, int t, int m, float *acc) {
+    f32x16 d = lora_delta(lora, t, m);
+    float lanes[16];
+    memcpy(lanes, &d, sizeof lanes);
+    for (int r = 0; r < 16; r++) acc[r] += lanes[r];
+}
+
+static void nlinear_tiles(const void *w, int wtype, int K, int N, const float *bias,
+                          const float *x, int ldx, int M, const float *xsum, float *out, int ldo,
+                          int mode, float alpha, int t0, int t1,
+                          const struct tl_lora_rows *lora) {
+    float acc[NROWS * 16] __attribute__((aligned(32)));
+    const int G = wtype == TL_Q4 ? K / 32 : 0;
+    for (int t = t0; t < t1; t++) {
+        const int n0 = t * 16, width = N - n0 < 16 ? N - n0 : 16;
+        for (int m = 0, done; m < M; m += done) {
+            const float *xm = x + (size_t)m * ldx, *sm = xsum ? xsum + (size_t)m * G : NULL;
+            done = ntile_dot(w, wtype, K, t, xm, ldx, sm, G, M - m, acc);
+            for (int i = 0; i < done; i++) {
+                float *a = acc + i * 16, *o = out + (size_t)(m + i) * ldo + n0;
+                if (lora) nlora_add(lora, t, m + i, a);
+                if (width == 16) {
+                    for (int h = 0; h < 16; h += 8) {
+                        f32x8 v = ld8(a + h);
+                        if (bias) v += ld8(bias + n0 + h);
+                        if (mode == OUT_ADD) v = ld8(o + h) + alpha * v;
+                        st8(o + h, v);
+                    }
+                    continue;
+                }
+                for (int r = 0; r < width; r++) {
+                    float v = a[r] + (bias ? bias[n0 + r] : 0.0f);
+                    o[r] = mode == OUT_ADD ? o[r] + alpha * v : v;
+                }
+            }
+        }
+    }
+}
+
+static void ngate_up_tiles(const void *w, int wtype, int K, const float *x, int ldx, int M,
+                           const float *xsum, float *act, int I, int j0, int j1, int kind,
+                           int interleaved, const struct tl_lora_rows *lora) {
+    float g[NROWS * 16] __attribute__((aligned(32))), u[NROWS * 16] __attribute__((aligned(32)));
+    const int G = wtype == TL_Q4 ? K / 32 : 0;
+    for (int j = j0; j < j1; j++) {
+        const int gt = interleaved ? 2 * j : j, ut = interleaved ? 2 * j + 1 : I / 16 + j;
+        for (int m = 0, done; m < M; m += done) {
+            const float *xm = x + (size_t)m * ldx, *sm = xsum ? xsum + (size_t)m * G : NULL;
+            done = ntile_dot(w, wtype, K, gt, xm, ldx, sm, G, M - m, g);
+            ntile_dot(w, wtype, K, ut, xm, ldx, sm, G, done, u);
+            for (int i = 0; i < done; i++) {
+                if (lora) {
+                    nlora_add(lora, j, m + i, g + i * 16);
+                    nlora_add(lora, I / 16 + j, m + i, u + i * 16);
+                }
+                float *o = act + (size_t)(m + i) * I + j * 16;
+                for (int h = 0; h < 16; h += 8)
+                    st8(o + h, gated8(ld8(g + i * 16 + h), ld8(u + i * 16 + h), kind));
+            }
+        }
+    }
+}
+
+#endif /* TL_NARROW */
+#endif
