@@ -373,6 +373,9 @@ void trillm_silu_mul(const float *x, int64_t T, int I, float *out, int threads) 
         const float *g = x + t * 2 * I, *u = g + I;
         float *o = out + t * I;
         int j = 0;
+#ifdef TL_NARROW
+        for (; j + 8 <= I; j += 8) st8(o + j, gated8(ld8(g + j), ld8(u + j), ACT_SILU));
+#endif
         for (; j + 16 <= I; j += 16) {
             f32x16 gv = load_f32(g + j);
             f32x16 r = gv / (exp16(-gv) + 1.0f) * load_f32(u + j);

@@ -55,6 +55,13 @@ static void head_in(const void *x, int xtype, int h, int D, const float *norm, i
     if (!c) return;
     const int r = rd / 2;
     int i = 0;
+#ifdef TL_NARROW
+    for (; i + 8 <= r; i += 8) {
+        const f32x8 a = ld8(out + i), b = ld8(out + i + r), cv = ld8(c + i), sv = ld8(s + i);
+        st8(out + i, a * cv - b * sv);
+        st8(out + i + r, b * cv + a * sv);
+    }
+#endif
     for (; i + 16 <= r; i += 16) { /* a prompt step runs this per token and head */
         f32x16 a = load_f32(out + i), b = load_f32(out + i + r);
         f32x16 cv = load_f32(c + i), sv = load_f32(s + i);
@@ -273,6 +280,7 @@ static void attend_group(const float *q, int group, const float *k, const float 
 }
 
 #include "tl_attend_bf16.h"
+#include "tl_narrow_attention.h"
 
 /* `attend_group`, or over a bfloat16 cache its pair dot products where the CPU has them. */
 static void attend_heads(const float *q, int group, const float *k, const float *v,
@@ -285,6 +293,11 @@ static void attend_heads(const float *q, int group, const float *k, const float 
                           work);
         return;
     }
+#endif
+#ifdef TL_NARROW
+    nattend_group(q, group, k, v, kc, vc, ctype, table, ctx, window, B, Hkv, g, D, scale, cap,
+                  out, work);
+    return;
 #endif
     attend_group(q, group, k, v, kc, vc, ctype, table, ctx, window, B, Hkv, g, D, scale, cap,
                  out, work);

@@ -158,14 +158,6 @@ static inline f32x16 exp16(f32x16 x) {
  * ~1e-7 off in absolute terms near 0, where soft-capping multiplies it by the cap. */
 static inline f32x16 tanh16(f32x16 x) { return 1.0f - 2.0f / (exp16(x + x) + 1.0f); }
 
-static inline float dot(const float *a, const float *b, int D) {
-    f32x16 acc = {0};
-    int i = 0;
-    for (; i + 16 <= D; i += 16) acc += load_f32(a + i) * load_f32(b + i);
-    float s = hsum(acc);
-    for (; i < D; i++) s += a[i] * b[i];
-    return s;
-}
 
 static inline f32x16 load_f16(const uint16_t *p) {
     f32x16 v;
@@ -197,6 +189,109 @@ static inline f32x16 load_f16(const uint16_t *p) {
     }
 #endif
     return v;
+}
+
+/* 8-lane vectors, the width of an AVX2 CPU's registers (`TL_NARROW`): without AVX-512 GCC keeps
+ * every f32x16 variable on the stack, so the hot kernels there are written over these
+ * (`tl_narrow.h` says why and measures it). */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define TL_NARROW 1
+
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+
+static inline f32x8 ld8(const float *p) {
+    f32x8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void st8(float *p, f32x8 v) { memcpy(p, &v, sizeof v); }
+
+static inline f32x8 ld8_bf16(const uint16_t *p) {
+    u16x8 h;
+    memcpy(&h, p, sizeof h);
+    return (f32x8)(__builtin_convertvector(h, u32x8) << 16);
+}
+
+static inline f32x8 ld8_f16(const uint16_t *p) {
+#ifdef __F16C__
+    return (f32x8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    f32x16 v = load_f16(p); /* only the first 8 lanes are used */
+    f32x8 r;
+    memcpy(&r, &v, sizeof r);
+    return r;
+#endif
+}
+
+/* 8 bytes at p as signed integers, to float. */
+static inline f32x8 i8_to_f32x8(const uint8_t *p) {
+    return (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+static inline float hsum8(f32x8 v) {
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+    return v[0];
+}
+
+static inline f32x8 vmax8(f32x8 a, f32x8 b) { return (f32x8)_mm256_max_ps((__m256)a, (__m256)b); }
+
+static inline float hmax8(f32x8 v) {
+    v = vmax8(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+    v = vmax8(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+    v = vmax8(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6));
+    return v[0];
+}
+
+/* `exp16` over 8 lanes (the same Cephes polynomial, the same clamps). */
+static inline f32x8 exp8(f32x8 x) {
+    x = (f32x8)_mm256_min_ps((__m256)x, (__m256)((f32x8){0} + 88.3762626647949f));
+    x = (f32x8)_mm256_max_ps((__m256)x, (__m256)((f32x8){0} - 87.3365447504019f));
+    const f32x8 magic = (f32x8){0} + 12582912.0f;
+    f32x8 t = x * 1.44269504088896341f + magic;
+    i32x8 n = (i32x8)t - (i32x8)magic;
+    f32x8 nf = t - magic;
+    f32x8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+    f32x8 p = (f32x8){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (f32x8)((n + 127) << 23);
+}
+
+static inline float dot8(const float *a, const float *b, int D) {
+    f32x8 s0 = {0}, s1 = {0};
+    int i = 0;
+    for (; i + 16 <= D; i += 16) {
+        s0 += ld8(a + i) * ld8(b + i);
+        s1 += ld8(a + i + 8) * ld8(b + i + 8);
+    }
+    for (; i + 8 <= D; i += 8) s0 += ld8(a + i) * ld8(b + i);
+    float s = hsum8(s0 + s1);
+    for (; i < D; i++) s += a[i] * b[i];
+    return s;
+}
+
+#endif /* TL_NARROW */
+
+static inline float dot(const float *a, const float *b, int D) {
+#ifdef TL_NARROW
+    return dot8(a, b, D);
+#endif
+    f32x16 acc = {0};
+    int i = 0;
+    for (; i + 16 <= D; i += 16) acc += load_f32(a + i) * load_f32(b + i);
+    float s = hsum(acc);
+    for (; i < D; i++) s += a[i] * b[i];
+    return s;
 }
 
 static inline f32x16 u8_to_f32(u8x16 b) {
