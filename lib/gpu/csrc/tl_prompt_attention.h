@@ -284,6 +284,7 @@ static inline __attribute__((always_inline)) void attend_block_d(
                   (size_t)Q);
 }
 
+#include "tl_narrow_prompt.h"
 #include "tl_prompt_amx.h"
 
 /* `attend_block` with head_dim 64 and 128 compiled apart: a constant D makes each key's and
@@ -302,6 +303,15 @@ static void attend_block(const struct tl_model *md, const struct tl_step *st, in
             attend_block_amx(md, st, m0, n, g, work, md->head_dim);
         return;
     }
+#endif
+#ifdef TL_NARROW
+    if (md->head_dim == 64)
+        nattend_block(md, st, m0, n, g, work, 64);
+    else if (md->head_dim == 128)
+        nattend_block(md, st, m0, n, g, work, 128);
+    else
+        nattend_block(md, st, m0, n, g, work, md->head_dim);
+    return;
 #endif
     if (md->head_dim == 64)
         attend_block_d(md, st, m0, n, g, work, 64);
