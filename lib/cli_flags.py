@@ -109,7 +109,7 @@ DEV = ("control endpoints (development; docs/debugging.md)", None)
 SERVE_LAYOUT: tuple[tuple[tuple[str, str | None] | None, str], ...] = (
     (
         None,
-        """host port served_model_name dtype device cpu_linear quantization
+        """host port served_model_name dtype device cpu_linear cpu_decode quantization
         attention_backend enforce_eager tensor_parallel_size data_parallel_size""",
     ),
     (

@@ -37,6 +37,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 CPU_LINEAR = ("auto", "onednn", "aten")  # `trillm.gpu._cpu_linear`
+CPU_DECODE = ("auto", "c", "torch")  # `trillm.gpu._decode_probe`
 QUANTIZATIONS = ("auto", "gguf", "none")  # `trillm.gpu._quantized`
 MAX_CUDA_GRAPH_BATCH = 512
 MAX_LORA_RANK = 64
@@ -185,6 +186,20 @@ class WorkerConfig:
             "F.linear), onednn (or fail at load), aten (F.linear)",
         ),
     )
+    # Which path a CPU decode step (one token per sequence) takes: "auto" times the C step
+    # against the torch forward with C's attention at start-up, per batch size, and keeps the
+    # faster (cached; `_decode_probe`); "c": the C step up to its 64 sequences; "torch": never
+    # the C step (C still attends). Prompts are the same under all three.
+    cpu_decode: str = field(
+        default="auto",
+        metadata=flag(
+            "--cpu-decode",
+            choices=CPU_DECODE,
+            help="CPU decode steps: auto (the faster of the C step and the torch forward, "
+            "timed at start-up per batch size and cached), c (the C step up to 64 sequences), "
+            "torch (the torch forward with C's attention)",
+        ),
+    )
     # "auto": triton on CUDA, torch on CPU; "torch": the SDPA reference; "triton": the paged
     # kernel (`_attention_triton`), on CPU through Triton's interpreter (correctness only).
     attention_backend: str = field(
@@ -272,6 +287,10 @@ class WorkerConfig:
         if self.cpu_linear not in CPU_LINEAR:
             raise WorkerConfigError(
                 f"cpu_linear {self.cpu_linear!r} is not one of {', '.join(CPU_LINEAR)}"
+            )
+        if self.cpu_decode not in CPU_DECODE:
+            raise WorkerConfigError(
+                f"cpu_decode {self.cpu_decode!r} is not one of {', '.join(CPU_DECODE)}"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise WorkerConfigError(

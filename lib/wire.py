@@ -85,7 +85,9 @@ class KernelChoice(msgspec.Struct, array_like=True, frozen=True, gc=False):
     the GPU's name on CUDA); `attention` is the attention backend ("torch" or "triton");
     `quantization` is "gguf" (GGUF blocks kept, int4 kernel) or "none", and
     `quantization_reason` what that means; `decode` is how CPU decode steps run ("c": one C
-    call per step, `_cpu_decode`; "torch (why)"; "" on CUDA).
+    call per step, `_cpu_decode`; "c by measurement (...)" / "torch by measurement (...)":
+    the sizes each path took when timed, `_decode_probe`; "torch with C's attention
+    (--cpu-decode torch...)"; "torch (why)": no C step; "" on CUDA).
     """
 
     device: str

@@ -37,9 +37,11 @@ def verify_paths(rows: tuple[int, ...] = (1, 2, 4, 8, 12)) -> list[dict[str, Any
     """Per row count: median CPU ms of a verify step on each path, tokens, the ratio."""
     torch.set_num_threads(1)
     model = str(default_model_dir())
+    # cpu_decode "c": the paths compared are set below (VERIFY_C_STEP_MAX), not measured
     config = WorkerConfig(model, device="cpu", dtype="float32", block_size=BLOCK,
                           max_model_len=1024, max_num_batched_tokens=2048,
-                          kv_cache_bytes=1 << 28, speculative_config=SPEC)  # fmt: skip
+                          kv_cache_bytes=1 << 28, speculative_config=SPEC,
+                          cpu_decode="c")  # fmt: skip
     model_config, weights = open_model(config.model, config.load_format)
     runner = ModelRunner(config, model_config, TensorParallel(), torch.device("cpu"))
     runner.load_model(weights)

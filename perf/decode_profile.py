@@ -101,6 +101,7 @@ def load(args: argparse.Namespace, *, eager: bool) -> Worker:
         max_num_seqs=max(8, args.batch + 1),  # + 1: --split's arriving prompt
         quantization=args.quantization,
         cpu_linear=args.cpu_linear,
+        cpu_decode="c",  # the paths are chosen here (`max_batch`), not by the start-up's timing
         enforce_eager=eager,
     )
     worker = Worker(config)

@@ -68,12 +68,13 @@ def test_a_flag_sets_the_field_that_declares_it() -> None:
     flags = """--max-num-seqs 7 --kv-cache-memory-bytes 9 -tp 2 --engine-watchdog-timeout 8
         --stream-interval 0 --request-body-timeout 0 --shutdown-timeout 3
         --reasoning-parser qwen3 --port 9 --no-engine-restart --max-api-restarts 0
-        --async-scheduling"""
+        --async-scheduling --cpu-decode torch"""
     args = build_parser().parse_args(["serve", "m", *flags.split()])
     command, config = serve_config(args)
     assert config.llm.engine.async_scheduling  # off unless given (the defaults' test)
     worker = config.llm.engine.worker
     assert (worker.model, worker.max_num_seqs, worker.kv_cache_bytes) == ("m", 7, 9)
+    assert worker.cpu_decode == "torch"
     assert config.llm.engine.tensor_parallel_size == 2
     assert config.llm.watchdog_timeout == config.llm.engine.worker_watchdog_timeout == 8
     assert (config.http.stream_interval, config.http.request_body_timeout) == (1, None)

@@ -12,7 +12,9 @@ weights laid out for a matrix-vector product (16-row tiles, k-major), with the K
 paged attention in the same pass.
 
 What it covers: steps in which every sequence brings one token (decodes, and one-token
-prompts) and there are at most `max_batch` (64) of them, on one rank, in float32 or bfloat16,
+prompts) and there are at most `max_batch` (64) of them, of the sizes where it beat the torch
+forward on this machine (`paths`: measured at start-up by `_decode_probe`, or forced by
+`--cpu-decode`), on one rank, in float32 or bfloat16,
 dense or GGUF weights kept quantized (the same C tiles, `_tiles`), of every family in
 `models/`: what a family adds (q/k norms, sandwich or output norms, GeGLU, soft-caps,
 windows, partial or per-layer rotary, longrope, multipliers, experts) is told to C as an
@@ -37,6 +39,7 @@ from . import _native
 from ._attention import QkvAttention
 from ._cpu_decode_model import CpuDecodeUnsupported as CpuDecodeUnsupported
 from ._cpu_decode_model import Layer, layer_weights, model_struct, unsupported
+from ._decode_paths import C_STEP, TORCH, DecodePaths
 from ._tiles import (
     BF16,
     BF16_AMX,
@@ -45,26 +48,17 @@ from ._tiles import (
     Q8,
     TiledLinear,
     Tiles,
-    amx_ready,
     pair_products,
     pairs_ready,
     weight_tiles,
 )
 from .models.llama import KVCache, LlamaForCausalLM
 
-# Up to this many decodes the C step beat the torch forward with C attention (oneDNN's
-# linears): 16.0 / 19.7 ms at 8, 37.4 / 44.1 at 32, 63.4 / 73.1 at 64 (SmolLM2 fp32, 2 cores;
-# `perf/decode_profile.py --batch B`). In bfloat16 on AMX tiles (`_tiles.amx_ready`) too:
-# B=64, one thread, CPU time, 97.5 ms against the torch forward's 140.7
-# (`decode_profile.py --split --dtype bfloat16 --threads 1 --cpu-time --batch 64 [--c-step-max 1]`).
+# The most decodes a C step takes (its scratch is sized for them). Up to this many the C step
+# beat the torch forward with C attention (oneDNN's linears) on the AVX-512 machine: 16.0 /
+# 19.7 ms at 8, 37.4 / 44.1 at 32, 63.4 / 73.1 at 64 (SmolLM2 fp32, 2 cores;
+# `perf/decode_profile.py --batch B`); where it does not, the measurement (`paths`) says so.
 MAX_BATCH = 64
-# In bfloat16 on a CPU with AMX whose C kernels cannot use it (`amx_ready`: not built for it,
-# or no tile state), oneDNN's linears run on the tile unit while the C step's tiles convert to
-# float32 FMAs, so a larger batched decode step goes to the torch forward.
-# One thread, CPU time of a decode step, SmolLM2 bf16 (`perf/decode_profile.py --split
-# --dtype bfloat16 --threads 1 --cpu-time --batch B [--c-step-max 0]`, C / torch forward,
-# Sapphire Rapids): B=8 37.3 / 56.3 ms, 16 61.4 / 69.2, 24 94.9 / 86.7, 32 113.8 / 86.9.
-AMX_BF16_MAX_BATCH = 16
 # Prompts attend in C (`CpuStep.attention`) up to this context; past it torch's SDPA takes the
 # step. C's attention takes a prompt 16 queries at a time (`csrc/tl_prompt_attention.h`); one
 # layer's attention alone against SDPA alone (1 thread, CPU time, ms, C / SDPA; SmolLM2's
@@ -110,6 +104,7 @@ class CpuStep:
         self.hidden = torch.empty(max_batch, cfg.hidden_size, dtype=torch.float32)
         self.out = torch.empty(max_batch, cfg.hidden_size, dtype=torch.float32)
         self.threads = threads
+        self.paths: DecodePaths = C_STEP  # which decode steps run here (`covers`)
         self.num_runs = 0  # steps run here (tests check the path was taken)
         self.num_lora_runs = 0  # of them, steps with LoRA adapter rows
         self.num_attention_steps = 0  # torch-forward steps given C's attention (`attention`)
@@ -178,8 +173,21 @@ class CpuStep:
 
     def covers(self, num_decodes: int) -> bool:
         """A step of this many decodes (one token per sequence) that `attends` takes runs
-        here whole (`run`)."""
-        return num_decodes <= self.max_batch
+        here whole (`run`): at most `max_batch`, at a size where `paths` gives it the C step."""
+        return num_decodes <= self.max_batch and self.paths.takes_c_step(num_decodes)
+
+    def describe(self) -> str:
+        """The word for `KernelChoice.decode`: which decode steps run here (`paths`), the
+        tiles and what they cost, what of the family C runs."""
+        ops = self.operations()
+        torch_only = self.paths.forced == "torch"
+        attention = "every step's attention in C" if torch_only else "other steps' attention too"
+        return (
+            f"{self.paths.describe(self.max_batch)}; {self.kinds()}; "
+            f"{self.nbytes() / 2**20:.1f} MiB of tiled weights; "
+            + (f"{self.model.config.model_type}'s {ops}; " if ops else "")
+            + f"{attention}, prompts up to {PROMPT_CONTEXT_MAX} tokens of context)"
+        )
 
     def run(
         self,
@@ -342,33 +350,20 @@ class CAttention(QkvAttention):
         return out if native else out.to(qkv.dtype)
 
 
-def c_step_max_batch(dtype: torch.dtype, onednn_linears: bool, amx: bool) -> int:
-    """The most decodes a C step takes: `AMX_BF16_MAX_BATCH` in bfloat16 where oneDNN runs
-    the torch forward's linears on AMX and the C step's own tiles cannot (`amx_ready`), else
-    `MAX_BATCH`."""
-    fma_only = dtype == torch.bfloat16 and onednn_linears and amx and not amx_ready()
-    return AMX_BF16_MAX_BATCH if fma_only else MAX_BATCH
-
-
 def build_cpu_step(
-    model: LlamaForCausalLM, config: WorkerConfig, block_size: int, max_batch: int = MAX_BATCH
+    model: LlamaForCausalLM, config: WorkerConfig, block_size: int
 ) -> tuple[CpuStep | None, str]:
     """The C step for `model`, or None, and the word for `KernelChoice.decode`: the path
-    this model's decode steps take, and why (what of the family C runs, or lacks).
-    `max_batch`: `c_step_max_batch`'s answer for the model's linears."""
+    this model's decode steps take, and why (what of the family C runs, or lacks). Under
+    `cpu_decode="auto"` its `paths` are `C_STEP` until `_decode_probe` measures them."""
     if config.enforce_eager:
         return None, "torch (--enforce-eager)"
     try:
-        decode = CpuStep(model, block_size, min(max_batch, config.max_num_seqs))
+        decode = CpuStep(model, block_size, min(MAX_BATCH, config.max_num_seqs))
     except (CpuDecodeUnsupported, _native.NativeBuildError) as e:
         return None, f"torch ({e})"
-    ops = decode.operations()
-    return decode, (
-        f"c (one call per step of up to {decode.max_batch} decodes; {decode.kinds()}; "
-        f"{decode.nbytes() / 2**20:.1f} MiB of tiled weights; "
-        + (f"{model.config.model_type}'s {ops}; " if ops else "")
-        + f"other steps' attention too, prompts up to {PROMPT_CONTEXT_MAX} tokens of context)"
-    )
+    decode.paths = TORCH if config.cpu_decode == "torch" else C_STEP
+    return decode, decode.describe()
 
 
 def _head_tiles(model: LlamaForCausalLM, amx: bool) -> Tiles:

@@ -4,8 +4,10 @@ What exists is fixed when the model is built: CUDA graphs (`DecodeGraphs`, on CU
 C step (`CpuStep`, on CPU). A step then takes, by its shape:
 
 - `Path.GRAPH`: decodes only (one token per sequence), as many as a captured graph takes;
-- `Path.C_STEP`: decodes only, as many as the C step's `max_batch`, one C call; or a
-  speculative verify step of few tokens, a row per token (`expand_verify_rows`);
+- `Path.C_STEP`: decodes only, as many as the C step's `max_batch` and of a size where it
+  beat the torch forward on this machine (`CpuStep.covers`: the measured `DecodePaths`, or
+  `--cpu-decode`), one C call; or a speculative verify step of few tokens, a row per token
+  (`expand_verify_rows`), by the same table at its token count;
 - `Path.C_ATTENTION`: any other step the C step attends (no prompt's context past
   `PROMPT_CONTEXT_MAX`): the torch forward with C's attention in each layer;
 - `Path.EAGER`: the rest, the torch forward with the configured attention backend.
@@ -36,7 +38,8 @@ if TYPE_CHECKING:
 # one thread, CPU time of a step; `perf/spec_bench.py --verify`, this 2-core machine at load
 # ~6.7) the C step took 47 / 54 / 76 / 118 / 166 ms for 5 / 10 / 20 / 40 / 60 tokens and the
 # oneDNN forward 70 / 82 / 104 / 141 / 182 ms (1.49x down to 1.10x): faster at every size it
-# takes, so the bound is the C step's own (`CpuStep.covers`, its 64-row build).
+# takes, so the bound is the C step's own (`CpuStep.covers`, its 64-row build, and the decode
+# step's measured table at the verify step's token count, a row per token being a decode).
 VERIFY_C_STEP_MAX = 64
 
 

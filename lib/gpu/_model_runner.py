@@ -34,9 +34,10 @@ from . import _native
 from ._ahead import AheadTokens, HostCopy, IdsPatch, PendingOutput, ReadyOutput, ids_patch
 from ._attention import AttentionBackend, QkvAttention, StepAttention, TorchAttention
 from ._config import quantization_for, torch_dtype
-from ._cpu_decode import CpuStep, build_cpu_step, c_step_max_batch
-from ._cpu_linear import CpuFeatures, probe_cpu_features
+from ._cpu_decode import CpuStep, build_cpu_step
+from ._cpu_linear import CpuFeatures
 from ._cuda_graphs import DecodeGraphs
+from ._decode_probe import decode_paths
 from ._draft_model import DraftModel
 from ._forward import FaultHook, Path, choose_path, expand_verify_rows
 from ._grammar_mask import apply_grammar_bitmask, step_bitmask
@@ -146,13 +147,7 @@ class ModelRunner:
         if self.device.type == "cpu":  # before packing: it tiles the dense weights
             with log.phase("C decode step") as notes:
                 built = len(_native.BUILT)
-                features = self._cpu_features or probe_cpu_features()
-                max_batch = c_step_max_batch(
-                    self.dtype, self.kernels.linear == "onednn", features.amx
-                )
-                self.cpu_step, decode = build_cpu_step(
-                    model, self.config, self.block_size, max_batch
-                )
+                self.cpu_step, decode = build_cpu_step(model, self.config, self.block_size)
                 compiled = _native.BUILT[built:]
                 notes.append(f"(built {', '.join(compiled)})" if compiled else "(cached kernels)")
                 if self.cpu_step is None:
@@ -164,6 +159,8 @@ class ModelRunner:
         if fused_kernels_for(self.device, self.config.attention_backend_for(self.device)):
             model.use_fused()
         self.model = model.eval()
+        if self.cpu_step is not None and self.config.cpu_decode == "auto":
+            self._measure_decode_paths(self.cpu_step, log)
         spec = self.speculative
         if spec is not None and spec.model is not None:
             with log.phase("draft model loaded"):
@@ -175,6 +172,24 @@ class ModelRunner:
                     self.inputs,
                     self.model_config.vocab_size,
                 )
+
+    def _measure_decode_paths(self, step: CpuStep, log: StartupLog) -> None:
+        """Time the C step against the torch forward (packed as it will serve) per decode
+        step size, or read the last start-up's timings (`_decode_probe`), and say which
+        path takes which size in `KernelChoice.decode`. Here at load, not over the KV cache:
+        the choice leaves a worker process before the cache is allocated."""
+        assert self.model is not None and self.kernels is not None
+        with log.phase("decode paths") as notes:
+            step.paths = decode_paths(
+                step,
+                self.model,
+                isa=self.kernels.isa,
+                linear=self.kernels.linear,
+                kv_budget=self.config.kv_cache_bytes,
+            )
+            measured = "measured" if step.paths.timings else "not measured"
+            notes.append("read from the cache" if step.paths.cached else measured)
+        self.kernels = msgspec.structs.replace(self.kernels, decode=step.describe())
 
     def kv_bytes_per_block(self) -> int:
         """Bytes one KV block takes on this rank, over every layer (K and V)."""

@@ -50,8 +50,23 @@ def cache_dir() -> Path:
 BUILT: list[str] = []
 
 
+class NativeLibrary(ctypes.CDLL):
+    """A loaded build of the C kernels and the file it came from, whose name carries its
+    build key (`key`): what anything measured of these kernels must be keyed by, since the
+    sources may change (and rebuild) while a process runs the object it loaded."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(str(path))
+        self.path = path
+
+    @property
+    def key(self) -> str:
+        """ "cpu_decode-<16 hex digits>": the source, compiler, flags and CPU flags' hash."""
+        return self.path.stem
+
+
 @functools.cache
-def load(name: str) -> ctypes.CDLL:
+def load(name: str) -> NativeLibrary:
     """The built `csrc/<name>.c`, loaded (built first if this machine has no cached copy).
 
     Raises:
@@ -76,7 +91,7 @@ def load(name: str) -> ctypes.CDLL:
     if not target.exists():
         _build(compiler, flags, source, target)
         BUILT.append(name)
-    return ctypes.CDLL(str(target))
+    return NativeLibrary(target)
 
 
 def _build(compiler: str, flags: tuple[str, ...], source: Path, target: Path) -> None:
@@ -108,12 +123,23 @@ def _compiler_version(compiler: str) -> str:
     return done.stdout
 
 
+def cpu_identity() -> str:
+    """This CPU's model name and feature flags (/proc/cpuinfo's lines): what a timing taken
+    on it holds for."""
+    return _cpuinfo_line(("model name", "Processor")) + _cpu_flags()
+
+
 def _cpu_flags() -> str:
     """This CPU's feature flags (what -march=native compiles for), from /proc/cpuinfo."""
+    return _cpuinfo_line(("flags", "Features"))
+
+
+def _cpuinfo_line(prefixes: tuple[str, ...]) -> str:
+    """The first line of /proc/cpuinfo that starts with one of `prefixes` ("" off Linux)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("flags", "Features")):
+                if line.startswith(prefixes):
                     return line
     except OSError:
         pass

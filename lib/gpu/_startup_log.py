@@ -2,8 +2,9 @@
 
 A start-up that took 11 s one day and 33 s another says nothing about why; these lines do:
 device and process group, reading the checkpoint, building the model and loading its weights,
-the C kernels (built, or found in the cache), packing the linears for oneDNN, the profile run
-that sizes the KV cache (CUDA), the KV cache itself and the CUDA graphs.
+the C kernels (built, or found in the cache), packing the linears for oneDNN, timing the CPU
+decode paths (or reading the last timing, `_decode_probe`), the profile run that sizes the KV
+cache (CUDA), the KV cache itself and the CUDA graphs.
 """
 
 from __future__ import annotations

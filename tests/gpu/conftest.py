@@ -83,7 +83,10 @@ def make_runner(
     cpu_features: CpuFeatures | None = None,
     **kw: object,
 ) -> ModelRunner:
-    """A loaded CPU runner; `cpu_features` stands in for the CPU probe's answer."""
+    """A loaded CPU runner; `cpu_features` stands in for the CPU probe's answer. Decode steps
+    take the C step (`cpu_decode="c"`) unless told: tests that count its runs must not hang
+    on what the measurement (`_decode_probe`) finds on this machine."""
+    kw.setdefault("cpu_decode", "c")
     config = WorkerConfig(str(model_dir), device="cpu", dtype=dtype, block_size=block_size, **kw)  # type: ignore[arg-type]
     model_config, weights = open_model(config.model, config.load_format)
     runner = ModelRunner(

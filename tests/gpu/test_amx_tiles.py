@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from trillm.gpu import _cpu_decode, _tiles
+from trillm.gpu import _tiles
 from trillm.gpu._tiles import BF16_AMX, TiledLinear, amx_tiles, tiled_kernels, weight_tiles
 
 from .conftest import make_runner
@@ -72,7 +72,6 @@ def test_weights_off_the_chunk_width_keep_fma_tiles(monkeypatch: pytest.MonkeyPa
 
 def _greedy(model_dir: Path, amx: bool, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
     monkeypatch.setattr(_tiles, "AMX_ENABLED", amx)
-    monkeypatch.setattr(_cpu_decode, "AMX_BF16_MAX_BATCH", 64)  # the FMA tiles' C step too
     runner = make_runner(model_dir, max_num_seqs=40, dtype="bfloat16", num_blocks=256)
     prompts = [list(range(100 + 7 * i, 110 + 9 * i)) for i in range(36)]  # 36: two 32-row blocks
     requests = [DriverRequest(i, p, 6, LOGPROBS) for i, p in enumerate(prompts)]

@@ -144,7 +144,6 @@ def test_more_decodes_than_max_batch_run_onednn_linears_with_c_attention(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_cpu_decode, "MAX_BATCH", 8)
-    monkeypatch.setattr(_cpu_decode, "AMX_BF16_MAX_BATCH", 8)  # the bfloat16 run below
     prompts = _prompts(10)
     runner, tokens, lp = _run(tiny_model_dir, prompts, 6)
     assert runner.cpu_step is not None and runner.cpu_step.max_batch == 8

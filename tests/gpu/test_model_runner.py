@@ -274,25 +274,23 @@ def test_pooled_rows_are_read_in_the_steps_one_host_read(
 
 @pytest.mark.parametrize("c_amx", [True, False])
 @pytest.mark.parametrize("amx", [True, False])
-def test_bf16_batched_decodes_leave_the_c_step_where_only_onednn_has_amx(
+def test_the_c_step_takes_its_whole_build_whatever_the_cpu_has(
     tiny_model_dir: Path, amx: bool, c_amx: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """bfloat16 with oneDNN's linears on an AMX CPU whose C step has no AMX tiles (`c_amx`
-    off, or `amx_ready` false here): the C step takes up to `AMX_BF16_MAX_BATCH` decodes
-    (larger steps run the torch forward on the tile unit); with its AMX tiles, without AMX, or
-    in float32, it takes `MAX_BATCH`."""
+    """bfloat16 on an AMX CPU whose C step has no AMX tiles (`c_amx` off, or `amx_ready`
+    false here) once capped the C step at 16 decodes by an ISA rule; which sizes it takes is
+    now measured (`_decode_probe`, tests/gpu/test_decode_probe.py), so its bound is its build
+    (`MAX_BATCH`) on every CPU, in bfloat16 and float32."""
     from trillm.gpu import _tiles
-    from trillm.gpu._cpu_decode import AMX_BF16_MAX_BATCH, MAX_BATCH
+    from trillm.gpu._cpu_decode import MAX_BATCH
 
     if "bfloat16" not in probe_cpu_features().onednn_packs:
         pytest.skip(f"oneDNN cannot pack bfloat16 here ({probe_cpu_features().summary()})")
     monkeypatch.setattr(_tiles, "AMX_ENABLED", c_amx)
     features = CpuFeatures("AVX512", amx=amx, onednn_packs=frozenset({"float32", "bfloat16"}))
     runner = make_runner(tiny_model_dir, dtype="bfloat16", cpu_features=features)
-    assert runner.cpu_step is not None
-    fma_only = amx and not _tiles.amx_ready()
-    assert runner.cpu_step.max_batch == (AMX_BF16_MAX_BATCH if fma_only else MAX_BATCH)
+    assert runner.cpu_step is not None and runner.cpu_step.max_batch == MAX_BATCH
     assert ("bfloat16 AMX" in runner.cpu_step.kinds()) == _tiles.pairs_ready()
-    assert f"up to {runner.cpu_step.max_batch} decodes" in (runner.kernels.decode or "")
+    assert f"up to {MAX_BATCH} decodes" in (runner.kernels.decode or "")
     fp32 = make_runner(tiny_model_dir, cpu_features=features)
     assert fp32.cpu_step is not None and fp32.cpu_step.max_batch == MAX_BATCH

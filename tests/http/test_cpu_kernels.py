@@ -43,7 +43,9 @@ def test_the_cap_reproduces_an_avx2_only_cpu() -> None:
 
 def test_bfloat16_serves_on_plain_linears_and_says_so(tiny_model: Path, tmp_path: Path) -> None:
     with open(tmp_path / "stderr", "wb") as stderr:
-        server = start_server(tiny_model, "--dtype", "bfloat16", env=AVX2_ONLY, stderr=stderr)
+        server = start_server(  # --cpu-decode c: the C step's word below, on any machine
+            tiny_model, "--dtype", "bfloat16", "--cpu-decode", "c", env=AVX2_ONLY, stderr=stderr
+        )
         try:
             sdk = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
             reply = sdk.chat.completions.create(

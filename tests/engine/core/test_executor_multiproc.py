@@ -36,7 +36,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def worker_config(model: Path, **kw: object) -> WorkerConfig:
-    options: dict[str, object] = dict(device="cpu", dtype="float32", block_size=8)
+    # cpu_decode "c": the uniproc's decode word below is the C step's on any machine
+    options: dict[str, object] = dict(device="cpu", dtype="float32", block_size=8, cpu_decode="c")
     return WorkerConfig(str(model), **{**options, "kv_cache_bytes": 1 << 24, **kw})  # type: ignore[arg-type]
 
 
