@@ -44,6 +44,14 @@ struct tl_lora_rows {
 };
 
 static inline float dot_bf16(const uint16_t *a, const float *b, int D) {
+#ifdef TL_NARROW
+    f32x8 acc8 = {0};
+    int j = 0;
+    for (; j + 8 <= D; j += 8) acc8 += ld8_bf16(a + j) * ld8(b + j);
+    float s8 = hsum8(acc8);
+    for (; j < D; j++) s8 += bf16_to_f32(a[j]) * b[j];
+    return s8;
+#endif
     f32x16 acc = {0};
     int i = 0;
     for (; i + 16 <= D; i += 16) acc += load_bf16(a + i) * load_f32(b + i);

@@ -11,13 +11,36 @@
 
 #ifdef TL_NARROW
 
-/* acc[16] += the LoRA delta of tile `t` for token m (`lora_delta` is a 64-byte vector: it goes
- * through memory here, once per tile and token of an adapter row). */
-static inline void nlora_add(const struct tl_lora_rows *lora, int t, int m, float *acc) {
-    f32x16 d = lora_delta(lora, t, m);
-    float lanes[16];
-    memcpy(lanes, &d, sizeof lanes);
-    for (int r = 0; r < 16; r++) acc[r] += lanes[r];
+/* acc[16] += the LoRA delta of tile `t` for token m: `lora_delta`'s sums (`tl_lora.h`) in two
+ * 8-lane halves, a part's sum kept to its own rows where a tile crosses a part's end. */
+static inline void nlora_add(const struct tl_lora_rows *lr, int t, int m, float *acc) {
+    const int s = lr->slots[m];
+    if (s < 0) return;
+    const struct tl_lora *lin = lr->lin;
+    const int r = lin->ranks[s], R = lr->R, n0 = t * 16;
+    if (!r) return;
+    const size_t at = ((size_t)s * lin->tiles + t) * R * 16;
+    const float *tm = lr->t + (size_t)m * lr->ldt;
+    for (int p = 0, start = 0; p < lin->parts; start = lin->part_end[p], p++) {
+        const int end = lin->part_end[p];
+        if (end <= n0 || start >= n0 + 16) continue;
+        const float *tp = tm + p * R;
+        f32x8 v[2] = {{0}, {0}};
+        for (int w = 0; w < r; w++)
+            for (int h = 0; h < 2; h++)
+                v[h] += (lr->type == TL_BF16
+                             ? ld8_bf16((const uint16_t *)lin->bt + at + (size_t)w * 16 + h * 8)
+                             : ld8((const float *)lin->bt + at + (size_t)w * 16 + h * 8)) *
+                        tp[w];
+        for (int h = 0; h < 2; h++) {
+            if (start <= n0 && end >= n0 + 16) {
+                st8(acc + h * 8, ld8(acc + h * 8) + v[h]);
+                continue;
+            }
+            for (int i = 0; i < 8; i++)
+                if (n0 + h * 8 + i >= start && n0 + h * 8 + i < end) acc[h * 8 + i] += v[h][i];
+        }
+    }
 }
 
 static void nlinear_tiles(const void *w, int wtype, int K, int N, const float *bias,
