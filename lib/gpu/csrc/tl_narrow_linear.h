@@ -43,17 +43,48 @@ static inline void nlora_add(const struct tl_lora_rows *lr, int t, int m, float 
     }
 }
 
+/* From this many tokens a quantized tile is dequantised once and multiplied as float32
+ * (`nq4_dequant`); below, the quants are converted inside the token blocks. */
+#define NQ_DEQUANT_MIN 8
+
+/* Where tile `t` is read from: the weight itself, or for a quantized weight against
+ * NQ_DEQUANT_MIN tokens or more, `deq` (when allocated) filled with its float32 values, as
+ * tile 0 of a float32 weight (`*wt`, `*tt`). */
+static inline const void *ntile_source(const void *w, int wtype, int K, int t, float *deq,
+                                       int *wt, int *tt) {
+    *wt = wtype;
+    *tt = t;
+    if (!deq) return w;
+    const uint8_t *bytes = (const uint8_t *)w;
+    if (wtype == TL_Q4)
+        nq4_dequant(bytes + (size_t)t * (K / 32) * Q4_GROUP, K, deq);
+    else
+        nq8_dequant(bytes + (size_t)t * (K / 32) * Q8_GROUP, K, deq);
+    *wt = TL_F32;
+    *tt = 0;
+    return deq;
+}
+
+/* A tile's float32 room for `ntile_source`, or NULL (dense weights, few tokens, no memory). */
+static inline float *ndequant_room(int wtype, int K, int M) {
+    if ((wtype != TL_Q4 && wtype != TL_Q8) || M < NQ_DEQUANT_MIN) return NULL;
+    return aligned_alloc(32, sizeof(float) * 16 * (size_t)K);
+}
+
 static void nlinear_tiles(const void *w, int wtype, int K, int N, const float *bias,
                           const float *x, int ldx, int M, const float *xsum, float *out, int ldo,
                           int mode, float alpha, int t0, int t1,
                           const struct tl_lora_rows *lora) {
     float acc[NROWS * 16] __attribute__((aligned(32)));
     const int G = wtype == TL_Q4 ? K / 32 : 0;
+    float *deq = t0 < t1 ? ndequant_room(wtype, K, M) : NULL;
     for (int t = t0; t < t1; t++) {
         const int n0 = t * 16, width = N - n0 < 16 ? N - n0 : 16;
+        int wt, tt;
+        const void *src = ntile_source(w, wtype, K, t, deq, &wt, &tt);
         for (int m = 0, done; m < M; m += done) {
             const float *xm = x + (size_t)m * ldx, *sm = xsum ? xsum + (size_t)m * G : NULL;
-            done = ntile_dot(w, wtype, K, t, xm, ldx, sm, G, M - m, acc);
+            done = ntile_dot(src, wt, K, tt, xm, ldx, sm, G, M - m, acc);
             for (int i = 0; i < done; i++) {
                 float *a = acc + i * 16, *o = out + (size_t)(m + i) * ldo + n0;
                 if (lora) nlora_add(lora, t, m + i, a);
@@ -73,6 +104,7 @@ static void nlinear_tiles(const void *w, int wtype, int K, int N, const float *b
             }
         }
     }
+    free(deq);
 }
 
 static void ngate_up_tiles(const void *w, int wtype, int K, const float *x, int ldx, int M,
@@ -80,12 +112,21 @@ static void ngate_up_tiles(const void *w, int wtype, int K, const float *x, int 
                            int interleaved, const struct tl_lora_rows *lora) {
     float g[NROWS * 16] __attribute__((aligned(32))), u[NROWS * 16] __attribute__((aligned(32)));
     const int G = wtype == TL_Q4 ? K / 32 : 0;
+    float *deq = j0 < j1 ? ndequant_room(wtype, K, M) : NULL;
+    float *deq_up = deq ? ndequant_room(wtype, K, M) : NULL;
+    if (!deq_up) { /* both tiles dequantised, or neither */
+        free(deq);
+        deq = NULL;
+    }
     for (int j = j0; j < j1; j++) {
         const int gt = interleaved ? 2 * j : j, ut = interleaved ? 2 * j + 1 : I / 16 + j;
+        int gw, gtt, uw, utt;
+        const void *gsrc = ntile_source(w, wtype, K, gt, deq, &gw, &gtt);
+        const void *usrc = ntile_source(w, wtype, K, ut, deq_up, &uw, &utt);
         for (int m = 0, done; m < M; m += done) {
             const float *xm = x + (size_t)m * ldx, *sm = xsum ? xsum + (size_t)m * G : NULL;
-            done = ntile_dot(w, wtype, K, gt, xm, ldx, sm, G, M - m, g);
-            ntile_dot(w, wtype, K, ut, xm, ldx, sm, G, done, u);
+            done = ntile_dot(gsrc, gw, K, gtt, xm, ldx, sm, G, M - m, g);
+            ntile_dot(usrc, uw, K, utt, xm, ldx, sm, G, done, u);
             for (int i = 0; i < done; i++) {
                 if (lora) {
                     nlora_add(lora, j, m + i, g + i * 16);
@@ -97,6 +138,8 @@ static void ngate_up_tiles(const void *w, int wtype, int K, const float *x, int 
             }
         }
     }
+    free(deq);
+    free(deq_up);
 }
 
 #endif /* TL_NARROW */

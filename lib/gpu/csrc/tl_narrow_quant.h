@@ -93,4 +93,42 @@ static int nq8_tile_dot(const uint8_t *tile, int K, const float *x, int ldx, int
     return nq8_dot1(tile, K, x, ldx, out), 1;
 }
 
+/* Tile `tile` of a Q4 / Q8 weight dequantised into `w` [K][16] float32: d * q + m (Q4) or
+ * d * q (Q8), each product and sum rounded on its own, as GGUF's dequantisers compute them (no
+ * fused multiply-add: the values are the dequantised model's, bit for bit). Why: at many
+ * tokens a tile's quants were converted again for every block of 4 tokens; dequantised once
+ * into L1/L2, the tile runs the float32 6-token blocks (`nlinear_tiles`, NQ_DEQUANT_MIN). */
+__attribute__((optimize("fp-contract=off"))) static void nq4_dequant(const uint8_t *tile, int K,
+                                                                     float *w) {
+    const __m128i low = _mm_set1_epi8(15);
+    for (int g = 0; g < K / 32; g++) {
+        const uint8_t *grp = tile + (size_t)g * Q4_GROUP, *nib = grp + 64;
+        const uint16_t *d = (const uint16_t *)grp, *mn = (const uint16_t *)(grp + 32);
+        const f32x8 d0 = ld8_f16(d), d1 = ld8_f16(d + 8), m0 = ld8_f16(mn), m1 = ld8_f16(mn + 8);
+        for (int kk = 0; kk < 16; kk++) {
+            __m128i b = _mm_loadu_si128((const __m128i *)(nib + kk * 16));
+            __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+            float *wl = w + ((size_t)g * 32 + kk) * 16, *wh = wl + 16 * 16;
+            st8(wl, (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)) * d0 + m0);
+            st8(wl + 8, (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))) * d1 + m1);
+            st8(wh, (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)) * d0 + m0);
+            st8(wh + 8, (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))) * d1 + m1);
+        }
+    }
+}
+
+__attribute__((optimize("fp-contract=off"))) static void nq8_dequant(const uint8_t *tile, int K,
+                                                                     float *w) {
+    for (int g = 0; g < K / 32; g++) {
+        const uint8_t *grp = tile + (size_t)g * Q8_GROUP, *q = grp + 32;
+        const uint16_t *d = (const uint16_t *)grp;
+        const f32x8 d0 = ld8_f16(d), d1 = ld8_f16(d + 8);
+        for (int kk = 0; kk < 32; kk++) {
+            float *wk = w + ((size_t)g * 32 + kk) * 16;
+            st8(wk, i8_to_f32x8(q + kk * 16) * d0);
+            st8(wk + 8, i8_to_f32x8(q + kk * 16 + 8) * d1);
+        }
+    }
+}
+
 #endif
