@@ -38,6 +38,17 @@ _NEEDS = {
 }
 
 
+# What a bfloat16 model on a CPU without oneDNN's bfloat16 (AVX2: no AVX-512 BW/VL/DQ, no
+# AVX-NE-CONVERT) costs: F.linear multiplies it without hardware support, one [512, 576] x
+# [576, 1536] product 60.4 ms against float32's 7.8 (15 against 117 GFLOP/s, 2 Zen 2 cores;
+# perf/README.md "Issue 45"), so its prompts run about 8x slower than float32's. `--dtype auto`
+# is float32 on the CPU; an explicit bfloat16 is served, and the start-up line says this.
+BF16_WITHOUT_HARDWARE = (
+    "; its products run in F.linear without bfloat16 hardware, about 8x float32's time: "
+    "--dtype float32 (auto's choice on the CPU) serves faster"
+)
+
+
 class CpuLinearUnsupportedError(RuntimeError):
     """`cpu_linear="onednn"` was asked for a dtype this CPU's oneDNN cannot pack."""
 
@@ -114,6 +125,8 @@ def choose_cpu_linear(requested: str, dtype: torch.dtype, features: CpuFeatures)
             f"cpu_linear='onednn' cannot run: {why} (CPU: {features.summary()}); use "
             f"cpu_linear='auto' or 'aten' (plain F.linear), or dtype float32"
         )
+    if dtype == torch.bfloat16 and features.onednn_packs:
+        why += BF16_WITHOUT_HARDWARE
     return LinearChoice("aten", why)
 
 

@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from trillm.gpu import CpuFeatures, CpuLinearUnsupportedError, probe_cpu_features
-from trillm.gpu._cpu_linear import choose_cpu_linear, pack_weight, packed_linear
+from trillm.gpu._cpu_linear import (
+    BF16_WITHOUT_HARDWARE,
+    choose_cpu_linear,
+    pack_weight,
+    packed_linear,
+)
 
 # An AVX2-only CPU as torch sees it: oneDNN packs float32 only (the machine of issue 12).
 AVX2 = CpuFeatures("AVX2", onednn_packs=frozenset({"float32"}))
@@ -42,7 +47,7 @@ def test_the_fallback_says_why() -> None:
     choice = choose_cpu_linear("auto", torch.bfloat16, AVX2)
     assert choice.reason == (
         "oneDNN cannot pack bfloat16 on this CPU "
-        "(it needs avx512bw, avx512vl and avx512dq, or avx_ne_convert)"
+        "(it needs avx512bw, avx512vl and avx512dq, or avx_ne_convert)" + BF16_WITHOUT_HARDWARE
     )
     assert choose_cpu_linear("auto", torch.float32, NO_ONEDNN).reason == (
         "this torch build has no oneDNN linear ops"

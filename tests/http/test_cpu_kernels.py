@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 
+from trillm.gpu._cpu_linear import BF16_WITHOUT_HARDWARE
 from trillm.gpu._tiles import pair_products, pairs_ready, tiled_kernels
 
 from .conftest import start_server
@@ -62,7 +63,7 @@ def test_bfloat16_serves_on_plain_linears_and_says_so(tiny_model: Path, tmp_path
             assert server.stop() == 0
     reason = (
         "oneDNN cannot pack bfloat16 on this CPU "
-        "(it needs avx512bw, avx512vl and avx512dq, or avx_ne_convert)"
+        "(it needs avx512bw, avx512vl and avx512dq, or avx_ne_convert)" + BF16_WITHOUT_HARDWARE
     )
     assert kernels["device"] == "cpu" and kernels["dtype"] == "bfloat16"
     assert kernels["linear"] == "aten" and kernels["reason"] == reason
