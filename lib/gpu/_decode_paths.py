@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MARGIN = 0.95  # the C tiles take prompts' linears at most this share of torch's time
+
 
 @dataclass(frozen=True)
 class DecodeTiming:
@@ -35,18 +37,43 @@ class DecodeTiming:
 
 
 @dataclass(frozen=True)
+class PromptTiming:
+    """One layer's four linears at `tokens` tokens: ms on the C tiles and as the torch
+    forward runs them (oneDNN's packed copies, or F.linear where oneDNN cannot pack)."""
+
+    tokens: int
+    tiles_ms: float
+    torch_ms: float
+
+    @property
+    def tiles_win(self) -> bool:
+        return self.tiles_ms <= MARGIN * self.torch_ms
+
+    def describe(self) -> str:
+        """For `KernelChoice.decode`: "prompts' linears on the C tiles (512 tokens, a layer:
+        tiles 20.1 / torch 24.9 ms)"."""
+        where = "on the C tiles" if self.tiles_win else "in torch"
+        return (
+            f"prompts' linears {where} ({self.tokens} tokens, a layer: tiles "
+            f"{self.tiles_ms:.1f} / torch {self.torch_ms:.1f} ms)"
+        )
+
+
+@dataclass(frozen=True)
 class DecodePaths:
     """The decode path by step size: measured `timings` (ascending sizes), or `forced`.
 
     `forced`: "c" (every size up to the C step's `max_batch`), "torch" (none), "" (measured);
     `cached`: read from the cache, not measured in this process; `note`: what limited the
-    measurement (its time budget), shown with the table.
+    measurement (its time budget), shown with the table; `prompt`: where the torch forward's
+    dense linears multiply (`_prompt_linears`; None: not measured, oneDNN).
     """
 
     timings: tuple[DecodeTiming, ...] = ()
     forced: str = ""
     cached: bool = False
     note: str = ""
+    prompt: PromptTiming | None = None
 
     def takes_c_step(self, num_decodes: int) -> bool:
         """Whether a decode step of `num_decodes` sequences (within the C step's bound)
@@ -72,6 +99,7 @@ class DecodePaths:
         winner = "c" if any(t.c_wins for t in self.timings) else "torch"
         parts = [f"ms, c / torch: {table}", self.routing(max_batch)]
         parts += [self.note] if self.note else []
+        parts += [self.prompt.describe()] if self.prompt else []
         parts += ["cached"] if self.cached else []
         return f"{winner} by measurement ({'; '.join(parts)}"
 

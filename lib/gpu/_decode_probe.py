@@ -14,6 +14,8 @@ Cached: the table is saved as JSON in `decode_paths/` beside the kernels' cache,
 of what it holds for (the CPU, the C kernels' build, the CPU features and caps oneDNN and ATen
 run under, threads, dtype, the model's shape and tiles, the linear path, the sizes); a second
 start-up with the same key reads it and measures nothing. An unreadable file is measured again.
+The same pass times the torch forward's dense linears on oneDNN and on the C step's tiles
+(`_prompt_linears`), kept in the same file.
 """
 
 from __future__ import annotations
@@ -32,15 +34,16 @@ import torch
 
 from . import _native
 from ._cpu_decode import CpuStep
-from ._decode_paths import DecodePaths, DecodeTiming
+from ._decode_paths import DecodePaths, DecodeTiming, PromptTiming
 from ._hugepages import huge_zeros
+from ._prompt_linears import measure_prompt_linears, tiled_linears
 from .models.llama import KVCache, LlamaForCausalLM
 
 SIZES = (1, 4, 16, 32, 64)  # decode steps measured, up to the C step's `max_batch`
 CONTEXT = 64  # tokens of context of each synthetic sequence
 RUNS = 3  # timed runs a size and path, after one warm-up each; the fastest counts
 BUDGET_S = 6.0  # past it no larger size is measured: those take the last size's winner
-VERSION = 1  # of the measurement; a change here measures again
+VERSION = 2  # of the measurement; a change here measures again (2: prompts' linears)
 
 
 class _Saved(msgspec.Struct, frozen=True):
@@ -49,6 +52,7 @@ class _Saved(msgspec.Struct, frozen=True):
     key: dict[str, str]
     timings: list[tuple[int, float, float]]
     note: str = ""
+    prompt: tuple[int, float, float] | None = None  # tokens, tiles ms, torch ms
 
 
 def paths_dir() -> Path:
@@ -75,6 +79,10 @@ def decode_paths(
     if saved is not None:
         return saved
     paths = measure(step, model, sizes)
+    layers = tiled_linears(step, model)
+    if layers:  # the torch forward's linears: torch's or the tiles' (`_prompt_linears`)
+        with torch.inference_mode():
+            paths = replace(paths, prompt=measure_prompt_linears(layers[0], step.dtype))
     if sizes != wanted and not paths.note:
         last = sizes[-1]  # the KV budget holds no more
         paths = replace(paths, note=f"measured up to {last} (KV budget), larger steps as {last}")
@@ -208,14 +216,17 @@ def _read(path: Path, key: dict[str, str]) -> DecodePaths | None:
     if saved.key != key or not batches or batches != sorted(set(batches)):
         return None
     timings = tuple(DecodeTiming(b, c, t) for b, c, t in saved.timings)
-    return DecodePaths(timings, cached=True, note=saved.note)
+    prompt = None if saved.prompt is None else PromptTiming(*saved.prompt)
+    return DecodePaths(timings, cached=True, note=saved.note, prompt=prompt)
 
 
 def _write(path: Path, key: dict[str, str], paths: DecodePaths) -> None:
     """Save `paths` atomically (a temporary file, then a rename: a concurrent start-up reads
     the old file or the new one); a cache that cannot be written only costs a measurement."""
     timings = [(t.batch, t.c_ms, t.torch_ms) for t in paths.timings]
-    data = msgspec.json.encode(_Saved(key, timings, paths.note))
+    p = paths.prompt
+    prompt = None if p is None else (p.tokens, p.tiles_ms, p.torch_ms)
+    data = msgspec.json.encode(_Saved(key, timings, paths.note, prompt))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=path.stem, suffix=".tmp", dir=path.parent)

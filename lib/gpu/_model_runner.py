@@ -51,6 +51,7 @@ from ._ngram import propose_rows
 from ._parallel import TensorParallel
 from ._pooler import Pooler
 from ._prompt_embeds import Embeds, PromptEmbeds
+from ._prompt_linears import tiled_linears, use_tiles
 from ._sampler import Sampler, SamplerOutput, compute_logprobs
 from ._sampling_batch import RequestSamplingState, SamplingBatch
 from ._sampling_rows import SamplingRows
@@ -189,6 +190,8 @@ class ModelRunner:
             )
             measured = "measured" if step.paths.timings else "not measured"
             notes.append("read from the cache" if step.paths.cached else measured)
+            if step.paths.prompt is not None and step.paths.prompt.tiles_win:
+                use_tiles(tiled_linears(step, self.model))  # oneDNN's copies let go
         self.kernels = msgspec.structs.replace(self.kernels, decode=step.describe())
 
     def kv_bytes_per_block(self) -> int:

@@ -191,6 +191,14 @@ class TiledLinear:
         self.out_features = out_features
         self.nbytes = self.tiles.nbytes
 
+    @classmethod
+    def over(cls, tiles: Tiles, out_features: int, *, interleaved: bool = False) -> TiledLinear:
+        """Over `tiles` as they are: with `interleaved`, gate/up tiles already side by side
+        (the C step's dense MLP tiles), whose output is put back in [gate | up] order."""
+        linear = cls(tiles, out_features)
+        linear.interleaved = interleaved
+        return linear
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         a = x.reshape(-1, x.shape[-1]).float().contiguous()
         m, n = a.shape[0], self.out_features
