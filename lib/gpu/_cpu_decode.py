@@ -19,11 +19,12 @@ dense or GGUF weights kept quantized (the same C tiles, `_tiles`), of every fami
 `models/`: what a family adds (q/k norms, sandwich or output norms, GeGLU, soft-caps,
 windows, partial or per-layer rotary, longrope, multipliers, experts) is told to C as an
 operation (`_cpu_decode_model`). Other steps (larger decode steps, prompts, mixed steps) run
-the torch forward, whose dense linears stay packed for oneDNN (large GEMMs are its strength),
-with C's attention (`attention`, the same q/k norms, rotary, windows and soft-caps) unless a
+the torch forward, whose dense linears stay packed for oneDNN or, where measured faster at
+load, multiply from these tiles (`_prompt_linears`: then the dense copy is dropped), with C's
+attention (`attention`, the same q/k norms, rotary, windows and soft-caps) unless a
 prompt's context passes `PROMPT_CONTEXT_MAX`; tensor parallel runs the torch forward alone.
-The price, for dense weights, is a second copy in the tiled layout (logged at load): dense
-experts too, which the torch forward still multiplies from `FusedMoE.w13` / `w2`.
+The price, for dense weights kept on oneDNN, is a second copy in the tiled layout (logged at
+load): dense experts too, which the torch forward still multiplies from `FusedMoE.w13` / `w2`.
 `--enforce-eager` turns it off, as it turns CUDA graphs off.
 """
 

@@ -44,8 +44,8 @@ _NEEDS = {
 # perf/README.md "Issue 45"), so its prompts run about 8x slower than float32's. `--dtype auto`
 # is float32 on the CPU; an explicit bfloat16 is served, and the start-up line says this.
 BF16_WITHOUT_HARDWARE = (
-    "; its products run in F.linear without bfloat16 hardware, about 8x float32's time: "
-    "--dtype float32 (auto's choice on the CPU) serves faster"
+    "; its products run in F.linear without bfloat16 hardware (8x float32's time on an AVX2 "
+    "Zen 2, perf/README.md): --dtype float32 (auto's choice on the CPU) serves faster"
 )
 
 
