@@ -5,13 +5,35 @@ the conversation a later request continues with `previous_response_id` (its inpu
 as chat messages). vLLM keeps them in memory too: a restart of the API process loses them
 all, and so does a request that lands on another replica behind a router.
 
-Two bounds hold together: `--responses-store-size` entries, and `MAX_STORE_BYTES` of JSON
-(an entry's size is its body's length twice over, a fair bound on the messages it keeps
-beside it), so that a long conversation cannot grow the lean API process without end.
+Two bounds hold together, so that long conversations cannot grow the lean API process without
+end: `--responses-store-size` entries, and `MAX_STORE_BYTES` of what the entries keep alive.
+An entry counts all it keeps (`entry_bytes`): its id, its body, and every object its
+conversation reaches at CPython's own size, 16 bytes of allocator overhead each, and 256
+bytes for its record and slot. A string counts its characters at CPython's width (1, 2 or 4
+bytes each: one emoji makes a whole string 4) and, unless it is ASCII, the UTF-8 copy CPython
+caches on it once anything encodes it. The JSON's length would be no bound: a 4 MiB body of
+ASCII and one emoji decodes to a 16 MiB string, and encoding messages to measure them caches
+the copies. Against tracemalloc the count is exact for text, and up to 1.8x over for
+thousands of short turns or tool calls (a string they share, "" or "function", counts at
+each use). An entry continuing `previous_response_id` keeps the messages of the one it
+continues, the same objects, and counts them again: an over-count (entries go sooner than
+they must), never an under-count, as every object kept is counted by a live entry reaching it.
+
+What the bound holds: the entries' count is at most `MAX_STORE_BYTES`, but for the newest
+entry, kept even where it alone is over (a body is at most `AppConfig.max_body_bytes`, 4 MiB,
+which keeps about 20 MiB at most: one long text with an emoji, or 150,000 empty turns, which
+count 30). The resident size grows by more: the request in hand (its body and decoded text),
+and what glibc's malloc keeps: once a large string is freed its mmap threshold rises to that
+size, later ones come from the heap, and freed heap pages stay for reuse.
+`tests/http/test_responses_store.py` fills a 64 MiB store with 4 MiB bodies: 84 MiB of peak
+growth measured with `MALLOC_MMAP_THRESHOLD_=131072` (held to 64 + 32 MiB), 102 MiB with
+glibc's defaults (held to 2 x 64 + 32 MiB); by those ratios about 0.45 GiB at the default
+256 MiB.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +43,9 @@ import msgspec
 from ._errors import RequestError
 
 MAX_STORE_BYTES = 256 << 20
+_COMPACT_HEADER = sys.getsizeof("\xe9") - 2  # a non-ASCII str's header: "\xe9" is it, 1 byte, NUL
+_OBJECT_OVERHEAD = 16  # an allocation's header and rounding, pymalloc's or malloc's
+_ENTRY_OVERHEAD = 256  # the StoredResponse, its __dict__, the OrderedDict's slot and link
 
 
 @dataclass(frozen=True)
@@ -29,6 +54,62 @@ class StoredResponse:
 
     body: bytes
     messages: tuple[Any, ...]  # _requests.ChatMessage
+
+
+def held_bytes(*objects: object) -> int:
+    """The bytes `objects` and everything they reach hold in CPython's heap, or a little more.
+
+    Walks msgspec Structs (the chat messages, their parts and tool calls), lists, tuples and
+    dicts (a tool call's arguments may be a JSON object) with a stack, not recursion, as deep
+    as the JSON nests. An object reached twice counts twice; None is not counted (there is one).
+    """
+    total, stack = 0, list(objects)
+    while stack:
+        obj = stack.pop()
+        if obj is None:
+            continue
+        if isinstance(obj, str):
+            total += str_bytes(obj) + _OBJECT_OVERHEAD
+            continue
+        total += sys.getsizeof(obj) + _OBJECT_OVERHEAD
+        if isinstance(obj, msgspec.Struct):
+            stack.extend(msgspec.structs.astuple(obj))
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+    return total
+
+
+def str_bytes(text: str) -> int:
+    """What `text` holds: its characters at CPython's width, and, when it is not ASCII, the
+    UTF-8 copy CPython caches on it once anything encodes it, whether that happened yet or not.
+    """
+    if text.isascii():
+        return sys.getsizeof(text)  # its characters are its UTF-8: no copy is ever made
+    utf8 = len(text.encode("utf-8", "surrogatepass")) + 1
+    # sys.getsizeof counts the copy once it is cached: then the two agree
+    return max(sys.getsizeof(text), _COMPACT_HEADER + (len(text) + 1) * _width(text) + utf8)
+
+
+def _width(text: str) -> int:
+    """The bytes each character of `text` takes in CPython: its widest character's.
+
+    Found by encoding at C speed (a copy, dropped at once); `max(text)` makes a str per
+    character, 30x slower.
+    """
+    try:
+        text.encode("latin-1")
+    except UnicodeEncodeError:
+        astral = len(text.encode("utf-16-le", "surrogatepass")) > 2 * len(text)
+        return 4 if astral else 2
+    return 1
+
+
+def entry_bytes(response_id: str, stored: StoredResponse) -> int:
+    """What keeping `stored` under `response_id` costs the store's byte bound."""
+    return held_bytes(response_id, stored.body, stored.messages) + _ENTRY_OVERHEAD
 
 
 class _Deleted(msgspec.Struct):
@@ -44,8 +125,8 @@ class ResponseStore:
         if size < 0:
             raise ValueError(f"--responses-store-size must be >= 0, got {size}")
         self.size, self.max_bytes = size, max_bytes
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
-        self._bytes = 0
+        self._entries: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()
+        self._bytes = 0  # the sum of the entries' `entry_bytes`
 
     @property
     def enabled(self) -> bool:
@@ -54,13 +135,19 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def num_bytes(self) -> int:
+        """What the entries hold, as `entry_bytes` counts it (the bound is `max_bytes`)."""
+        return self._bytes
+
     def put(self, response_id: str, stored: StoredResponse) -> None:
         """Keep `stored`; the least recently used go while a bound is passed."""
         if not self.enabled:
             return
         self._drop(response_id)
-        self._entries[response_id] = stored
-        self._bytes += 2 * len(stored.body)
+        size = entry_bytes(response_id, stored)
+        self._entries[response_id] = (stored, size)
+        self._bytes += size
         while len(self._entries) > self.size or (
             self._bytes > self.max_bytes and len(self._entries) > 1
         ):
@@ -95,15 +182,15 @@ class ResponseStore:
         return msgspec.json.encode(_Deleted(response_id))
 
     def _find(self, response_id: str, param: str | None) -> StoredResponse:
-        stored = self._entries.get(response_id)
-        if stored is None:
+        entry = self._entries.get(response_id)
+        if entry is None:
             raise self._missing(response_id, param)
-        return stored
+        return entry[0]
 
     def _drop(self, response_id: str) -> None:
         old = self._entries.pop(response_id, None)
         if old is not None:
-            self._bytes -= 2 * len(old.body)
+            self._bytes -= old[1]
 
     def _missing(self, response_id: str, param: str | None) -> RequestError:
         why = (
