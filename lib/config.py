@@ -257,6 +257,10 @@ class WorkerConfig:
             help="LoRA adapters kept in host memory, LRU (default: --max-loras)",
         ),
     )
+    # Where each rank keeps the checked copies of the adapters' files (`_lora_files`), read
+    # again instead of the user's path; set by the frontend, which owns the directory (it
+    # outlives an engine, so a restarted one reads the same bytes). "": none is kept.
+    lora_cache_dir: str = ""
     # Speculative decoding (`trillm.speculative`): JSON with vLLM's field names, parsed and
     # checked here, at the edge; None: off.
     speculative_config: str | None = field(

@@ -135,6 +135,9 @@ class LoraModule(msgspec.Struct, array_like=True, frozen=True, gc=False):
     path: str
     base_model_name: str | None = None
     lora_int_id: int = 0
+    # sha256 of the adapter's files once checked ("" before): a restarted engine reads the
+    # checked copy of these bytes (or bytes with this digest), never other weights
+    digest: str = ""
 
 
 def parse_lora_module(spec: str) -> LoraModule:

@@ -20,7 +20,8 @@ from ._failure import raised_in as raised_in
 from ._gguf import GGUFCheckpoint as GGUFCheckpoint
 from ._gguf import GGUFError as GGUFError
 from ._grammar_mask import step_bitmask as step_bitmask
-from ._lora_weights import LoraAdapterError as LoraAdapterError
+from ._lora_files import LoraAdapterError as LoraAdapterError
+from ._lora_weights import read_adapter as read_adapter
 from ._model_config import ModelConfig as ModelConfig
 from ._model_config import ModelConfigError as ModelConfigError
 from ._model_runner import ModelRunner as ModelRunner

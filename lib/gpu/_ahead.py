@@ -40,6 +40,20 @@ class ReadyOutput:
         return self.output
 
 
+@dataclass(frozen=True, slots=True)
+class WithFailures:
+    """A step's output whose requests `failed` (rnum -> why: their LoRA adapter could not be
+    read) are ended with that error by the engine; their tokens are dropped."""
+
+    pending: PendingOutput
+    failed: dict[int, str]
+
+    def result(self) -> RunnerOutput:
+        output = self.pending.result()
+        output.failed = self.failed
+        return output
+
+
 class HostCopy:
     """Device tensors on their way to the host: on CUDA non-blocking copies into pinned
     memory and an event, waited for at `wait`; on the CPU the tensors themselves."""

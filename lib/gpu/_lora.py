@@ -5,7 +5,8 @@ Three levels, as vLLM's LRU managers:
 - known (`add`, `remove`): id -> `LoraModule`, told by the engine on every rank; `add` reads
   and checks the adapter at once, so a bad one is refused before any request names it.
 - host memory: up to `--max-cpu-loras` read adapters, least recently used dropped (an
-  adapter dropped is read again from its directory when a request needs it).
+  adapter dropped is read again when a request needs it: from the checked copy of its files,
+  `_lora_files`, never from the user's path, and only bytes with its digest).
 - device slots: `--max-loras` fixed slots (`_lora_slots`). A step's adapters are put in slots
   before its forward (`prepare`); a free slot first, else the least recently used slot whose
   adapter no live request uses. The scheduler admits at most `--max-loras` distinct adapters
@@ -13,6 +14,11 @@ Three levels, as vLLM's LRU managers:
 
 Requests keep their adapter through `remove`: an adapter unloaded while requests use it stays
 in its slot until they end (the engine refuses new requests for it).
+
+A read again inside a step that fails (the checked copy gone, the disk failing) fails the
+requests of that adapter alone: their rows run without it this step, `take_failures` names
+them, and the engine ends them with the reason (`RunnerOutput.failed`). At TP > 1 rank 0's
+failures are the ones reported: every rank reads the same checked copy, so they fail together.
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ import torch
 
 from ..wire import LoraModule
 from ._layers import ColumnParallelLinear, RowParallelLinear
+from ._lora_files import LoraAdapterError
 from ._lora_slots import LoraBatch, LoraLinear
-from ._lora_weights import LoraAdapter, LoraAdapterError, read_adapter
+from ._lora_weights import LoraAdapter, read_adapter
 from ._model_config import ModelConfig
 from ._parallel import TensorParallel
 from .models.llama import LlamaForCausalLM, LlamaMLP
@@ -58,8 +65,10 @@ class LoraManager:
         max_rows: int,
         dtype: torch.dtype,
         device: torch.device,
+        cache_dir: str = "",
     ) -> None:
         self.model_config = model_config
+        self.cache_dir = cache_dir
         self.max_rank = max_rank
         self.max_cpu_loras = max_cpu_loras
         self.device = device
@@ -75,6 +84,7 @@ class LoraManager:
         self.live: Counter[int] = Counter()  # adapter id -> rows using it
         self.linears: list[tuple[int, str, LoraLinear]] = []  # (layer, base linear name, ...)
         self.num_loads = 0  # copies into a slot
+        self._failed: dict[int, str] = {}  # adapter id -> why its read failed in this step
         for layer in model.decoder_layers():
             attn = layer.self_attn
             modules = {"qkv_proj": attn.qkv_proj, "o_proj": attn.o_proj}
@@ -112,11 +122,11 @@ class LoraManager:
         Raises:
             LoraAdapterError: it cannot be served (the message names it and why).
         """
-        adapter = read_adapter(module, self.model_config, self.max_rank)
+        adapter = read_adapter(module, self.model_config, self.max_rank, cache_dir=self.cache_dir)
         lora_id = module.lora_int_id
         if lora_id in self.slot_of:  # the id is reused for new weights: the old slot is stale
             self._free_slot(self.slot_of[lora_id])
-        self.known[lora_id] = module
+        self.known[lora_id] = adapter.module  # with its digest: what a read again must find
         self.unloaded.discard(lora_id)
         self._keep_in_host(adapter)
         return adapter.digest
@@ -181,13 +191,27 @@ class LoraManager:
             self.batch.clear()
             return False
         self._clock += 1
+        self._failed.clear()
         slot_by_id = {0: -1}
         for lora_id in np.unique(ids).tolist():
             if lora_id:
-                slot_by_id[lora_id] = self._slot_for(lora_id)
+                try:
+                    slot_by_id[lora_id] = self._slot_for(lora_id)
+                except LoraAdapterError as exc:  # its requests fail, not the step
+                    self._failed[lora_id] = str(exc)
+                    slot_by_id[lora_id] = -1
         slots = np.fromiter((slot_by_id[i] for i in ids.tolist()), np.int64, len(ids))
         self.batch.set(np.repeat(slots, counts), self.device)
         return True
+
+    def take_failures(self, rows: np.ndarray, rnums: np.ndarray) -> dict[int, str]:
+        """The requests (rnum -> why) among the step's `rows` (with their `rnums`) whose
+        adapter `prepare` could not read; forgotten once taken."""
+        if not self._failed:
+            return {}
+        ids = self.row_ids[rows].tolist()
+        failed, self._failed = self._failed, {}
+        return {int(r): failed[i] for r, i in zip(rnums.tolist(), ids, strict=True) if i in failed}
 
     def _slot_for(self, lora_id: int) -> int:
         slot = self.slot_of.get(lora_id)
@@ -215,10 +239,15 @@ class LoraManager:
         self.slot_ids[slot] = 0
 
     def _load(self, slot: int, lora_id: int) -> None:
-        """Copy adapter `lora_id` into `slot` (read again if host memory dropped it)."""
+        """Copy adapter `lora_id` into `slot` (read again if host memory dropped it).
+
+        Raises:
+            LoraAdapterError: it had to be read again, and that failed (nothing changed).
+        """
         adapter = self.host.get(lora_id)
         if adapter is None:
-            adapter = read_adapter(self.known[lora_id], self.model_config, self.max_rank)
+            module, cache_dir = self.known[lora_id], self.cache_dir
+            adapter = read_adapter(module, self.model_config, self.max_rank, cache_dir=cache_dir)
         self._keep_in_host(adapter)
         for layer, name, linear in self.linears:
             linear.set_slot(slot, [adapter.weights.get((layer, t)) for t in _PARTS[name]])

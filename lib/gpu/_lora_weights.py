@@ -7,32 +7,43 @@ The delta of a linear is `scaling * B @ A @ x`, scaling `lora_alpha / r` (rsLoRA
 `lora_alpha / sqrt(r)`); it is folded into B here, once, as vLLM does.
 
 Everything that can be wrong is found here, before any slot is touched, and raised as
-`LoraAdapterError` naming the adapter and what to change: a missing file, a pickle
-(`adapter_model.bin` is never unpickled), a target other than q/k/v/o_proj and
-gate/up/down_proj, a rank over `--max-lora-rank`, features that PEFT's merged model would
-not match (DoRA, biases, modules_to_save, per-module ranks), and shapes or layers that do not
-fit the served model (an adapter of another base model).
+`LoraAdapterError` naming the adapter and what to change: files that cannot be read safely
+(`_lora_files`: a pickle, `adapter_model.bin`, is never unpickled), a target other than
+q/k/v/o_proj and gate/up/down_proj, a rank over `--max-lora-rank`, features that PEFT's merged
+model would not match (DoRA, biases, modules_to_save, per-module ranks), weights that are not
+float or not finite, and shapes or layers that do not fit the served model (an adapter of
+another base model). The bytes checked are kept (`keep_checked_copy`) and are what every
+later read takes: an adapter evicted from host memory is read again from that copy.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 from safetensors.torch import load as load_safetensors
 
 from ..wire import LoraModule
+from ._lora_files import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterFiles,
+    LoraAdapterError,
+    keep_checked_copy,
+    read_checked_files,
+)
 from ._model_config import ModelConfig
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_HEADER_ROOM = 1 << 20  # a safetensors header: about 150 bytes a tensor
 _TENSOR = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 # Settings that change what PEFT computes beyond `B @ A`: refused at their non-default values.
 _UNSUPPORTED = {
@@ -43,10 +54,6 @@ _UNSUPPORTED = {
     "rank_pattern": ({}, None),
     "alpha_pattern": ({}, None),
 }
-
-
-class LoraAdapterError(ValueError):
-    """An adapter that cannot be served; the message names it and what to change."""
 
 
 @dataclass(frozen=True)
@@ -79,40 +86,68 @@ def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
-def read_adapter(module: LoraModule, config: ModelConfig, max_rank: int) -> LoraAdapter:
+def weights_cap(config: ModelConfig, max_rank: int) -> int:
+    """The most bytes an `adapter_model.safetensors` for `config` may have: every target of
+    every layer at rank `max_rank` in float32, plus room for the header."""
+    shapes = linear_shapes(config)
+    targets = ATTENTION_TARGETS if config.num_experts else TARGETS
+    per_layer = sum(max_rank * sum(shapes[t]) for t in targets)
+    return per_layer * config.num_layers * 4 + _HEADER_ROOM
+
+
+def read_adapter(
+    module: LoraModule, config: ModelConfig, max_rank: int, *, cache_dir: str = ""
+) -> LoraAdapter:
     """Read and check the adapter of `module` for the served model `config`.
+
+    Its bytes come from its checked copy in `cache_dir` when there is one, else from its
+    path, read safely (`_lora_files`); once checked, they are kept there (`cache_dir` ""
+    keeps none). The adapter's module carries its digest.
+
+    Raises:
+        LoraAdapterError: the adapter cannot be served (the message says why and what to do).
+    """
+    files = read_checked_files(
+        module.name,
+        module.path,
+        module.digest,
+        cache_dir,
+        max_weights_bytes=weights_cap(config, max_rank),
+    )
+    adapter = check_adapter(module, files, config, max_rank)
+    if cache_dir:
+        keep_checked_copy(module.name, cache_dir, files)
+    return adapter
+
+
+def check_adapter(
+    module: LoraModule, files: AdapterFiles, config: ModelConfig, max_rank: int
+) -> LoraAdapter:
+    """The adapter `files` hold, checked against the served model `config`.
 
     Raises:
         LoraAdapterError: the adapter cannot be served (the message says why and what to do).
     """
     fail = _failer(module)
-    directory = Path(module.path)
-    if not directory.is_dir():
-        raise fail(f"{module.path!r} is not a directory (a PEFT adapter's)")
-    weights_path = directory / "adapter_model.safetensors"
-    if not weights_path.is_file():
-        if (directory / "adapter_model.bin").is_file():
-            raise fail(
-                "adapter_model.bin is a pickle, which trillm never loads: convert it to "
-                "adapter_model.safetensors (peft's save_pretrained(..., "
-                "safe_serialization=True), or safetensors.torch.save_file)"
-            )
-        raise fail(f"no adapter_model.safetensors in {module.path!r}")
     try:
-        config_bytes = (directory / "adapter_config.json").read_bytes()
-        raw = json.loads(config_bytes)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise fail(f"adapter_config.json is missing or not JSON: {exc}") from None
+        raw = json.loads(files.config)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise fail(f"{CONFIG_FILE} is not JSON: {exc}") from None
     rank, scaling, targets = _check_config(raw, config, max_rank, fail)
-    data = weights_path.read_bytes()
     try:
-        tensors = load_safetensors(data)
+        tensors = load_safetensors(files.weights)
     except Exception as exc:  # safetensors raises its own SafetensorError and others
-        raise fail(f"adapter_model.safetensors is not a safetensors file: {exc}") from None
+        raise fail(f"{WEIGHTS_FILE} is not a safetensors file: {exc}") from None
     weights = _pair_tensors(tensors, config, rank, targets, fail)
-    digest = hashlib.sha256(config_bytes + data).hexdigest()
     scaled = {key: (a.float(), (b.float() * scaling)) for key, (a, b) in weights.items()}
-    return LoraAdapter(module, rank, scaled, digest)
+    for (layer, target), pair in scaled.items():
+        if not all(bool(torch.isfinite(t).all()) for t in pair):
+            raise fail(
+                f"layer {layer} {target}: its weights hold NaN or infinite values (after the "
+                f"scaling lora_alpha / r = {scaling:g}): the adapter is broken"
+            )
+    module = msgspec.structs.replace(module, digest=files.digest)
+    return LoraAdapter(module, rank, scaled, files.digest)
 
 
 def _failer(module: LoraModule) -> Any:
@@ -181,6 +216,11 @@ def _pair_tensors(
         if set(half) != {"A", "B"}:
             raise fail(f"layer {layer} {target} has lora_{''.join(half)} without its pair")
         a, b = half["A"], half["B"]
+        if a.dtype not in _FLOATS or b.dtype not in _FLOATS:
+            raise fail(
+                f"layer {layer} {target}: lora_A is {a.dtype} and lora_B {b.dtype}: only "
+                f"float16, bfloat16 and float32 are served"
+            )
         fan_in, fan_out = shapes[target]
         if tuple(a.shape) != (rank, fan_in) or tuple(b.shape) != (fan_out, rank):
             raise fail(

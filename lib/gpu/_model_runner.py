@@ -31,7 +31,15 @@ import torch
 from ..config import WorkerConfig
 from ..wire import KernelChoice, LoraModule
 from . import _native
-from ._ahead import AheadTokens, HostCopy, IdsPatch, PendingOutput, ReadyOutput, ids_patch
+from ._ahead import (
+    AheadTokens,
+    HostCopy,
+    IdsPatch,
+    PendingOutput,
+    ReadyOutput,
+    WithFailures,
+    ids_patch,
+)
 from ._attention import AttentionBackend, QkvAttention, StepAttention, TorchAttention
 from ._config import quantization_for, torch_dtype
 from ._cpu_decode import CpuStep, build_cpu_step
@@ -45,7 +53,7 @@ from ._hugepages import huge_zeros
 from ._input_batch import InputBatch, StepInputs
 from ._kernels import choose_kernels, fused_kernels_for
 from ._lora import LoraManager
-from ._lora_weights import LoraAdapterError
+from ._lora_files import LoraAdapterError
 from ._model_config import ModelConfig
 from ._ngram import propose_rows
 from ._parallel import TensorParallel
@@ -97,6 +105,7 @@ class ModelRunner:
         self.model: LlamaForCausalLM | None = None
         self.lora: LoraManager | None = None  # made by load_model with --enable-lora
         self._lora_fallback_logged = False
+        self._lora_failed: dict[int, str] = {}  # this step's requests whose adapter failed
         self.kernels: KernelChoice | None = None  # chosen by load_model
         self._cpu_features = cpu_features
         self.faults = FaultHook(config, tp.rank)
@@ -144,6 +153,7 @@ class ModelRunner:
                 max_rows=self.config.max_num_seqs,
                 dtype=self.dtype,
                 device=self.device,
+                cache_dir=self.config.lora_cache_dir,
             )
         if self.device.type == "cpu":  # before packing: it tiles the dense weights
             with log.phase("C decode step") as notes:
@@ -297,7 +307,7 @@ class ModelRunner:
         `masks` waits for the grammar bitmask of `batch.grammar_rnums` (computed while the
         forward runs); it is called after the forward, just before sampling.
         """
-        return self._execute(batch, masks, ahead=False).result()
+        return self._with_failures(self._execute(batch, masks, ahead=False)).result()
 
     def execute_ahead(
         self, batch: StepBatch, masks: Callable[[], np.ndarray] | None = None
@@ -305,7 +315,12 @@ class ModelRunner:
         """`execute`, its tokens read later (async scheduling, `_ahead`): the next step may
         run before `result()`, its rows past this step's tokens reading them on the device.
         Steps with drafts to verify or propose are synchronous (their output is ready)."""
-        return self._execute(batch, masks, ahead=True)
+        return self._with_failures(self._execute(batch, masks, ahead=True))
+
+    def _with_failures(self, pending: PendingOutput) -> PendingOutput:
+        """`pending`, naming the requests whose adapter could not be read this step."""
+        failed, self._lora_failed = self._lora_failed, {}
+        return WithFailures(pending, failed) if failed else pending
 
     @torch.inference_mode()
     def _execute(
@@ -331,6 +346,8 @@ class ModelRunner:
             rnums = batch.scheduled_rnums.tolist()
             embeds = self.prompt_embeds.for_step(rnums, inputs, self._tensor)
         adapted = self.lora is not None and self.lora.prepare(inputs.rows, inputs.counts)
+        if adapted and self.lora is not None:  # rows whose adapter failed run without it
+            self._lora_failed = self.lora.take_failures(inputs.rows, batch.scheduled_rnums)
         if adapted and self.graphs is not None:
             self._log_lora_fallback()
         # Graphs and the C step read token ids; graphs add no adapter delta (the C step does).

@@ -95,6 +95,9 @@ class RunnerOutput:
     token_offsets: np.ndarray | None = None  # [n + 1] int32
     draft_offsets: np.ndarray | None = None  # [n + 1] int32
     draft_token_ids: np.ndarray | None = None  # int32
+    # Requests that failed alone this step (rnum -> why: their LoRA adapter could not be
+    # read again); the engine ends them with that error and drops their tokens.
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 class _WireStep(msgspec.Struct, array_like=True, gc=False):
@@ -190,6 +193,7 @@ class _WireOutput(msgspec.Struct, array_like=True, gc=False):
     token_offsets: bytes | None = None
     draft_offsets: bytes | None = None
     draft_token_ids: bytes | None = None
+    failed: dict[int, str] | None = None
 
 
 def _raw(array: np.ndarray | None, dtype: str) -> bytes | None:
@@ -239,6 +243,7 @@ class RunnerOutputCodec:
         wire.token_offsets = _raw(output.token_offsets, "<i4")
         wire.draft_offsets = _raw(output.draft_offsets, "<i4")
         wire.draft_token_ids = _raw(output.draft_token_ids, "<i4")
+        wire.failed = output.failed or None
         self._encoder.encode_into(wire, buffer)
 
     def decode(self, data: bytes | memoryview) -> RunnerOutput:
@@ -263,4 +268,5 @@ class RunnerOutputCodec:
             _array(wire.token_offsets, "<i4"),
             _array(wire.draft_offsets, "<i4"),
             _array(wire.draft_token_ids, "<i4"),
+            wire.failed or {},
         )

@@ -50,7 +50,7 @@ from ..transport_shm import Heartbeat, RingAddress, RingReader, RingWriter
 from ..wire import LoraModule
 from ._config import torch_device
 from ._failure import WorkerFailure
-from ._lora_weights import LoraAdapterError
+from ._lora_files import LoraAdapterError
 from ._step_batch import RunnerOutputCodec, StepBatchCodec
 from ._worker import Worker
 
@@ -146,6 +146,8 @@ class _Server:
                     answer: list[object] = [True, worker.add_lora(module)]
                 except LoraAdapterError as exc:
                     answer = [False, str(exc)]
+                except Exception as exc:  # whatever else a load raises: its answer too
+                    answer = [False, f"rank {self.rank}: {type(exc).__name__}: {exc}"]
                 self.reply(REPLY_LORA, msgspec.msgpack.encode(answer))
             elif kind == CMD_REMOVE_LORA:
                 (lora_id,) = U64.unpack_from(payload)

@@ -130,7 +130,9 @@ class App:
         self._routes.update(pooling.routes())
         self._routes.update(TokenizeAPI(edge, self.generation, self.admission.hold).routes())
         if config.enable_runtime_lora_updating:
-            lora = LoraRoutes(llm, self._read_body, self._decode, self._respond)
+            lora = LoraRoutes(
+                llm, config.served_model_name, self._read_body, self._decode, self._respond
+            )
             self._routes.update(lora.routes())
         self.dev: DevEndpoints | None = None
         if config.enable_dev_endpoints:
@@ -252,7 +254,13 @@ class App:
 
     async def _models(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
         served = self.config.served_model_name
-        adapters = [(m.name, m.path, m.base_model_name or served) for m in self.llm.loras.modules()]
+        # An adapter's root is its server path only for dev endpoints' users (vLLM shows it
+        # to anyone, telling every key holder the server's directories).
+        dev = self.config.enable_dev_endpoints
+        adapters = [
+            (m.name, m.path if dev else m.name, m.base_model_name or served)
+            for m in self.llm.loras.modules()
+        ]
         body = models_response([served], max_model_len=self.llm.max_model_len, adapters=adapters)
         await self._respond(send, 200, body, extra)
 

@@ -4,13 +4,16 @@ with their `parent`, and `POST /v1/load_lora_adapter` / `POST /v1/unload_lora_ad
 `--enable-runtime-lora-updating` (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING, as a flag).
 
 A bad adapter is a 400 with the engine's reason (a pickle, an unknown target, a rank over
-the limit, another base model), and changes nothing: the server goes on serving.
+the limit, another base model), and changes nothing: the server goes on serving. A name is
+at most `MAX_LORA_NAME` characters and never the served model's (every tenant's requests
+for the model would run through the adapter); a path at most `MAX_LORA_PATH` (PATH_MAX), and
+the reason a path is refused does not say whether it exists on the server.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -20,14 +23,19 @@ from ._errors import RequestError, not_found
 Scope = dict[str, Any]
 
 
+MAX_LORA_NAME = 256
+MAX_LORA_PATH = 4096
+Name = Annotated[str, msgspec.Meta(max_length=MAX_LORA_NAME)]
+
+
 class LoadLoraAdapterRequest(msgspec.Struct, forbid_unknown_fields=True):
-    lora_name: str
-    lora_path: str
-    base_model_name: str | None = None
+    lora_name: Name
+    lora_path: Annotated[str, msgspec.Meta(max_length=MAX_LORA_PATH)]
+    base_model_name: Name | None = None
 
 
 class UnloadLoraAdapterRequest(msgspec.Struct, forbid_unknown_fields=True):
-    lora_name: str
+    lora_name: Name
     lora_int_id: int | None = None  # vLLM's, accepted and unread: names are unique
 
 
@@ -38,11 +46,12 @@ class LoraRoutes:
     def __init__(
         self,
         llm: AsyncLLM,
+        served_model_name: str,
         read_body: Callable[[Scope, Any], Awaitable[bytes]],
         decode: Callable[[bytes, Any], Awaitable[Any]],
         respond: Callable[[Any, int, bytes, list[Any]], Awaitable[None]],
     ) -> None:
-        self.llm = llm
+        self.llm, self.served_model_name = llm, served_model_name
         self.read_body, self.decode, self.respond = read_body, decode, respond
 
     def routes(self) -> dict[tuple[str, str], Any]:
@@ -56,6 +65,13 @@ class LoraRoutes:
         request: LoadLoraAdapterRequest = await self.decode(body, LoadLoraAdapterRequest)
         if not request.lora_name or not request.lora_path:
             raise RequestError(400, "lora_name and lora_path must not be empty", param="lora_name")
+        if request.lora_name == self.served_model_name:
+            raise RequestError(
+                400,
+                f"lora_name {request.lora_name!r} is the served model's name: requests for the "
+                f"model would run through the adapter; give the adapter another name",
+                param="lora_name",
+            )
         try:
             await self.llm.load_lora_adapter(
                 request.lora_name, request.lora_path, request.base_model_name

@@ -280,6 +280,13 @@ def build_config(
         worker_watchdog_timeout=llm.get("watchdog_timeout", LLMConfig.watchdog_timeout),
         **fields_from(EngineConfig.options(), flags),
     )
+    for module in engine.lora_modules:
+        if module.name == served_model_name:
+            raise ValueError(
+                f"--lora-modules: the adapter name {module.name!r} is the served model's name "
+                f"(--served-model-name): requests for the model would run through the adapter; "
+                f"give the adapter another name"
+            )
     tool_call_parser = flags.get("tool_call_parser", "hermes")
     if tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(

@@ -63,3 +63,15 @@ def test_runner_output_round_trips_with_logprobs() -> None:
     assert got.prompt_logprobs[3].topk_ids is None
     topk = got.prompt_logprobs[4].topk_ids
     assert topk is not None and topk.tolist() == [[7, 8, 9]]
+
+
+def test_runner_output_round_trips_the_requests_that_failed_alone() -> None:
+    out = RunnerOutput(np.array([3], np.uint64), np.array([10], np.int32))
+    out.failed = {4: "LoRA adapter 'a': no adapter this server can read at 'x'"}
+    codec = RunnerOutputCodec()
+    buffer = bytearray()
+    codec.encode_into(out, buffer)
+    assert codec.decode(bytes(buffer)).failed == out.failed
+    buffer.clear()
+    codec.encode_into(RunnerOutput(out.rnums, out.token_ids), buffer)
+    assert codec.decode(bytes(buffer)).failed == {}

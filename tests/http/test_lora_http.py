@@ -53,7 +53,7 @@ def test_requests_pick_an_adapter_by_model_and_models_lists_it(
     models = httpx.get(f"{lora_server.base_url}/v1/models").json()["data"]
     cards = {card["id"]: card for card in models}
     assert cards["sql"]["parent"] == models[0]["id"]  # the served model
-    assert cards["sql"]["root"] == str(adapters["sql"])
+    assert cards["sql"]["root"] == "sql"  # never the server's path (--enable-dev-endpoints)
     got = complete(lora_server, "sql").json()["choices"][0]["text"]
     want = merged_greedy(tiny_model, adapters["sql"], PROMPT, 6)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model)
@@ -93,7 +93,8 @@ def test_runtime_load_and_unload(
     refused = httpx.post(
         f"{url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(bad)}
     )
-    assert refused.status_code == 400 and "convert it to" in refused.text
+    assert refused.status_code == 400
+    assert "a pickled adapter_model.bin is never loaded" in refused.text
     unloaded = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "chat"})
     assert unloaded.status_code == 200, unloaded.text
     assert complete(lora_server, "chat").status_code == 404
@@ -101,3 +102,38 @@ def test_runtime_load_and_unload(
         httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "chat"}).status_code == 404
     )
     assert complete(lora_server, "sql").status_code == 200  # serving on
+
+
+def test_an_adapter_never_takes_the_served_models_name_nor_a_path_past_path_max(
+    lora_server: Server, adapters: dict[str, Path]
+) -> None:
+    """Issue 46, findings 4 and 8: a runtime adapter named as the served model would have run
+    every tenant's base-model requests through it; a 5,000-character path is refused at the
+    edge, before the engine sees it."""
+    url = lora_server.base_url
+    served = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    body = {"lora_name": served, "lora_path": str(adapters["chat"])}
+    taken = httpx.post(f"{url}/v1/load_lora_adapter", json=body, timeout=60)
+    assert taken.status_code == 400
+    assert f"lora_name {served!r} is the served model's name" in taken.json()["error"]["message"]
+    long = httpx.post(
+        f"{url}/v1/load_lora_adapter", json={"lora_name": "long", "lora_path": "/x" * 2500}
+    )
+    assert long.status_code == 400 and "length <= 4096" in long.text
+    named = httpx.post(
+        f"{url}/v1/load_lora_adapter", json={"lora_name": "n" * 300, "lora_path": "/x"}
+    )
+    assert named.status_code == 400 and "length <= 256" in named.text
+    models = {card["id"] for card in httpx.get(f"{url}/v1/models").json()["data"]}
+    assert "long" not in models and served in models
+    assert complete(lora_server, served).status_code == 200
+
+
+def test_a_start_up_adapter_named_as_the_served_model_is_refused(tmp_path: Path) -> None:
+    from trillm.gpu import WorkerConfig
+    from trillm.http import build_config
+    from trillm.wire import LoraModule
+
+    worker = WorkerConfig(str(tmp_path), enable_lora=True)
+    with pytest.raises(ValueError, match="adapter name 'm' is the served model's name"):
+        build_config(worker=worker, served_model_name="m", lora_modules=(LoraModule("m", "/a"),))

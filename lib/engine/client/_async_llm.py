@@ -11,11 +11,14 @@ and the routing of a request to one of them are the `EnginePool`'s (`_engine_poo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, cast
 
+import msgspec
 import trio
 
 from ...wire import LoraModule, PoolingType, SamplingOptions
@@ -62,6 +65,7 @@ class AsyncLLM:
         self.engines = EnginePool(config, self._processor)
         self.loras = LoraAdapters(config.engine.lora_modules)  # LoRA adapters by name
         self.engines.lora_modules = self.loras.modules
+        self.engines.on_ready = self._on_engine_ready
         self.ready: P.Ready
         self.token_pieces: TokenPieces  # logprobs' token text and bytes, with the tokenizer
 
@@ -433,7 +437,8 @@ class AsyncLLM:
         loaded: list[int] = []
         try:
             for engine in self.live_engines():
-                await self.utility("load_lora_adapter", engine, args)
+                digest = await self.utility("load_lora_adapter", engine, args)
+                module = msgspec.structs.replace(module, digest=str(digest))
                 loaded.append(engine)
         except BaseException:
             with trio.CancelScope(shield=True):
@@ -477,6 +482,9 @@ class AsyncLLM:
         self.token_pieces = TokenPieces(self.tokenizer)
         self.engines.start_tasks()
 
+    def _on_engine_ready(self, ready: P.Ready) -> None:
+        self.loras.reconcile(ready.loras)
+
     def _tokenizer_path(self) -> str:
         return self.config.tokenizer or self.config.engine.worker.model
 
@@ -489,6 +497,28 @@ async def open_llm(config: LLMConfig) -> AsyncIterator[AsyncLLM]:
         EngineStartError: the engine failed before READY (bad model path, out of memory...),
             with its own message.
     """
+    with lora_cache(config) as config:
+        async with _open_llm(config) as llm:
+            yield llm
+
+
+@contextlib.contextmanager
+def lora_cache(config: LLMConfig) -> Iterator[LLMConfig]:
+    """`config` with a private directory (0700) for the checked copies of the LoRA
+    adapters' files (`WorkerConfig.lora_cache_dir`), removed at exit; owned here, not by an
+    engine, so a restarted engine reads the bytes checked before."""
+    worker = config.engine.worker
+    if not worker.enable_lora or worker.lora_cache_dir:
+        yield config
+        return
+    with tempfile.TemporaryDirectory(prefix="trillm-lora-") as directory:
+        worker = dataclasses.replace(worker, lora_cache_dir=directory)
+        engine = msgspec.structs.replace(config.engine, worker=worker)
+        yield dataclasses.replace(config, engine=engine)
+
+
+@asynccontextmanager
+async def _open_llm(config: LLMConfig) -> AsyncIterator[AsyncLLM]:
     llm = AsyncLLM(config)
     try:
         async with trio.open_nursery() as nursery:

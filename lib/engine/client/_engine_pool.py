@@ -22,6 +22,7 @@ import msgspec
 import trio
 
 from ...wire import LoraModule
+from ..protocol import _messages as P
 from ..protocol._errors import RemoteError
 from ._config import LLMConfig
 from ._engine_client import EngineClient
@@ -57,6 +58,8 @@ class EnginePool:
         # The LoRA adapters loaded now (`AsyncLLM.loras.modules`): a restarted engine starts
         # with them, so requests resumed on it keep their adapter.
         self.lora_modules: Callable[[], tuple[LoraModule, ...]] | None = None
+        # Told each engine's READY (`AsyncLLM.loras.reconcile`): the adapters it holds.
+        self.on_ready: Callable[[P.Ready], None] | None = None
 
     def __len__(self) -> int:
         return len(self.clients)
@@ -88,7 +91,9 @@ class EnginePool:
         deadline = trio.current_time() + self.config.start_timeout
         for client in self.clients:
             remaining = max(0.0, deadline - trio.current_time())
-            await client.wait_ready(remaining, self.watchdog_timeout)
+            ready = await client.wait_ready(remaining, self.watchdog_timeout)
+            if self.on_ready is not None:
+                self.on_ready(ready)
 
     def start_tasks(self) -> None:
         for client in self.clients:
@@ -244,7 +249,9 @@ class EnginePool:
         started = time.monotonic()
         try:
             client.spawn(self._nursery)
-            await client.wait_ready(self.config.start_timeout, self.watchdog_timeout)
+            ready = await client.wait_ready(self.config.start_timeout, self.watchdog_timeout)
+            if self.on_ready is not None:  # it may have skipped adapters that no longer load
+                self.on_ready(ready)
         except EngineStartError as exc:  # dying while starting: never again, in a loop
             print(f"trillm: the restarted {client.name} failed to start: {exc}", file=sys.stderr,
                   flush=True)  # fmt: skip

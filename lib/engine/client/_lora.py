@@ -10,6 +10,10 @@ resumed on it keep theirs.
 
 from __future__ import annotations
 
+import sys
+
+import msgspec
+
 from ...wire import LoraModule, numbered
 
 
@@ -67,6 +71,25 @@ class LoraAdapters:
 
     def add(self, module: LoraModule) -> None:
         self.by_name[module.name] = module
+
+    def reconcile(self, loaded: list[tuple[int, str]]) -> list[str]:
+        """Take an engine's `Ready.loras` (id, digest): each adapter's digest, so that a
+        restarted engine reads exactly the bytes checked; an adapter it does not hold (a
+        restarted engine skipped it: it no longer loads) is dropped, with a line on stderr.
+        Returns the names dropped."""
+        digests = dict(loaded)
+        dropped = []
+        for name, module in list(self.by_name.items()):
+            digest = digests.get(module.lora_int_id)
+            if digest is None:
+                del self.by_name[name]
+                dropped.append(name)
+            elif digest != module.digest:
+                self.by_name[name] = msgspec.structs.replace(module, digest=digest)
+        if dropped:
+            print(f"trillm: LoRA adapters {dropped} no longer load (see the engine's reason "
+                  f"above): dropped from /v1/models", file=sys.stderr, flush=True)  # fmt: skip
+        return dropped
 
     def remove(self, name: str) -> LoraModule:
         """Forget `name` (new requests for it are refused from now on).

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MAX_HEADER_BYTES = 1 << 16  # one tensor's header is ~100 bytes; safetensors allows 100 MB
+MAX_DIMENSION = 1 << 31  # a row count or width past any model's
 _DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}  # BF16 is widened by hand
 
 
@@ -95,8 +96,14 @@ def _one_tensor(blob: bytes) -> np.ndarray:
         )
     try:
         header = json.loads(blob[8 : 8 + size])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PromptEmbedsError(f"prompt_embeds is not safetensors: its header: {exc}") from None
+    except RecursionError:
+        raise PromptEmbedsError(
+            "prompt_embeds is not safetensors: its header is nested too deep (one tensor's "
+            "header is two levels)"
+        ) from None
+    except ValueError as exc:  # not JSON, not UTF-8, an integer of over 4,300 digits
+        why = str(exc).split(";")[0]  # not Python's advice to raise its digit limit
+        raise PromptEmbedsError(f"prompt_embeds is not safetensors: its header: {why}") from None
     tensors = (
         {k: v for k, v in header.items() if k != "__metadata__"} if isinstance(header, dict) else {}
     )
@@ -106,20 +113,29 @@ def _one_tensor(blob: bytes) -> np.ndarray:
     if not isinstance(info, dict):
         raise PromptEmbedsError(f"prompt_embeds is not safetensors: tensor {name!r}: {info!r}")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in _DTYPES:
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
         raise PromptEmbedsError(
             f"prompt_embeds must be float16, bfloat16 or float32 (F16, BF16, F32), got {dtype!r}"
         )
     if not (
         isinstance(shape, list)
-        and all(isinstance(n, int) and n >= 0 for n in shape)
+        and all(type(n) is int and n >= 0 for n in shape)  # type: a bool is an int too
         and isinstance(offsets, list)
         and len(offsets) == 2
-        and all(isinstance(n, int) for n in offsets)
+        and all(type(n) is int for n in offsets)
     ):
         raise PromptEmbedsError(
-            f"prompt_embeds is not safetensors: tensor {name!r} has shape {shape!r} and "
-            f"data_offsets {offsets!r}"
+            f"prompt_embeds is not safetensors: tensor {name!r} has shape {_brief(shape)} and "
+            f"data_offsets {_brief(offsets)} (both lists of non-negative integers)"
+        )
+    if len(shape) != 2 or 0 in shape:
+        raise PromptEmbedsError(
+            f"prompt_embeds must have shape [tokens, hidden] with at least one token, got "
+            f"{_brief(shape)}"
+        )
+    if max(shape) > MAX_DIMENSION:
+        raise PromptEmbedsError(
+            f"prompt_embeds has shape {_brief(shape)}: a dimension over {MAX_DIMENSION}"
         )
     data = memoryview(blob)[8 + size :]
     begin, end = offsets
@@ -129,7 +145,13 @@ def _one_tensor(blob: bytes) -> np.ndarray:
             f"prompt_embeds is not safetensors: tensor {name!r} of shape {shape} ({dtype}) "
             f"has data_offsets {offsets} in {len(data)} bytes of data"
         )
-    array = np.frombuffer(data[begin:end], _DTYPES[dtype]).reshape(shape)
+    array = np.frombuffer(data[begin:end], _DTYPES[dtype]).reshape(shape)  # 2-D: checked
     if dtype == "BF16":  # a bfloat16 is a float32's top half
         array = (array.astype("<u4") << 16).view("<f4")
     return array
+
+
+def _brief(value: object) -> str:
+    """`value` for an error message, at most 200 characters (a 5,000-digit integer is not)."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**100 else "a huge int"
+    return text if len(text) <= 200 else text[:200] + "..."

@@ -9,13 +9,9 @@ Structured outputs: a request with a grammar waits while it compiles in `Grammar
 (the loop polls them each iteration, and naps at most `GRAMMAR_POLL_S` on the ring while
 only compiles are pending); each step's grammar masks are computed while the forward runs.
 
-Control calls (UTILITY, `_utility`): `pause` stops scheduling and stepping (requests stay
-queued or running and go on at `resume`; ADD and ABORT are still read). `sleep` aborts the
-requests in flight (as vLLM's default mode), forgets the prefix cache (its blocks' contents
-are about to go) and has the executor free the KV cache (level 2: the weights go to host
-memory too); asleep, nothing steps until `wake_up`. Paused or asleep, aborts are still
-reported, by a STEP record without a forward (`_flush`). `start_profile` / `stop_profile`
-wrap this process in a torch profiler and write a Chrome trace.
+Control calls (UTILITY): `_control`, where whatever a call raises is its answer, never the
+engine's end. Paused or asleep, aborts are still reported, by a STEP record without a
+forward (`_flush`).
 """
 
 from __future__ import annotations
@@ -23,7 +19,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
 
 import msgspec
 import numpy as np
@@ -35,19 +30,16 @@ from ..protocol import _messages as P
 from ..protocol._config import EngineConfig
 from ..protocol._step_record import FinishReason, write_step
 from ._async_scheduler import AsyncScheduler
+from ._control import Controls
+from ._errors import WorkerDiedError
 from ._executor import Executor
 from ._grammar import Grammars, load_ll_tokenizer
-from ._lora_registry import LoraRegistry, LoraRegistryError
+from ._lora_registry import LoraRegistry
 from ._request import Request, RequestStatus
 from ._scheduler import InvalidRequestError, Scheduler, SchedulerConfig, StepResult
 
 IDLE_POLL_S = 1.0
-GRAMMAR_POLL_S = 0.002  # the longest nap on the ring while a grammar compiles
-SLEEP_LEVELS = (1, 2)
-
-
-class UtilityError(ValueError):
-    """A control call refused (bad arguments, wrong state); its message goes to the caller."""
+GRAMMAR_POLL_S = 0.002  # the longest nap on the ring while a grammar compiles or a LoRA loads
 
 
 class EngineCore:
@@ -78,11 +70,10 @@ class EngineCore:
         self.step_rnums: np.ndarray | None = None
         self.is_paused = False  # `pause`: nothing is scheduled until `resume`
         self.sleep_level = 0  # `sleep`: 1 or 2 while asleep (no KV cache), 0 awake
-        self._profiler: Any = None  # a running torch.profiler.profile
+        self.controls = Controls(self)
         # Async scheduling: the step executed ahead whose output is read after the next
         # step is executed (None: none in flight).
         self._pending: tuple[StepBatch, PendingOutput] | None = None
-        self._profile_path = ""
 
     @property
     def can_step(self) -> bool:
@@ -110,8 +101,8 @@ class EngineCore:
             )
         )
         self.loras = LoraRegistry(self.executor, enabled=worker.enable_lora)
-        for module in numbered(self.config.lora_modules):  # a bad one fails the start
-            self.loras.load(module)
+        for module in numbered(self.config.lora_modules):
+            self._load_at_start(module)
         self.eos_token_id = model.eos_token_ids[0] if model.eos_token_ids else None
         ready = P.Ready(
             num_blocks,
@@ -123,16 +114,35 @@ class EngineCore:
             os.getpid(),
             self.executor.kernels,
             model.hidden_size,
+            self.loras.loaded(),
         )
         self.outputs.send(P.READY, self._encoder.encode(ready), timeout=self.config.output_timeout)
+
+    def _load_at_start(self, module: LoraModule) -> None:
+        """Load a start-up adapter. One given by the user (no digest yet) that fails fails
+        the start; one a restarted engine was handed (it loaded before: its digest) is
+        skipped with the reason on stderr, and `Ready` leaves it out."""
+        try:
+            if not module.digest:
+                module = self.controls.check_lora(module)
+            self.loras.load(module)
+        except WorkerDiedError:
+            raise
+        except Exception as exc:
+            if not module.digest:
+                raise
+            print(f"trillm engine: skipped a LoRA adapter that no longer loads: {exc}",
+                  file=sys.stderr, flush=True)  # fmt: skip
 
     def run(self) -> None:
         """Step until a SHUTDOWN is done: drained (or its deadline passed), or aborted."""
         while True:
             self._admit_compiled()
+            self.controls.admit_loaded_loras()
             schedulable = self.can_step and self.scheduler.has_schedulable_requests()
             busy = schedulable or self._needs_flush or self._pending is not None
             compiling = self._grammars is not None and self._grammars.num_pending > 0
+            compiling = compiling or self.controls.lora_loads.num_pending > 0
             # Idle and draining: nothing is left to wait for (blocking here cost a 1 s poll).
             self._drain_requests(
                 block=not busy and (self._draining_until is None or compiling),
@@ -143,7 +153,7 @@ class EngineCore:
             if self.can_step and (self.scheduler.has_schedulable_requests() or self._needs_flush):
                 self._step()
             elif self._pending is not None:  # nothing to run behind it: read it now
-                self._finish_pending()
+                self.finish_pending()
             elif self._needs_flush:  # paused or asleep: report the aborts without a step
                 self._flush()
             elif self._draining_until is not None and not self.scheduler.has_unfinished_requests():
@@ -154,7 +164,7 @@ class EngineCore:
         scheduler = self.scheduler
         if isinstance(scheduler, AsyncScheduler):
             if self._pending is not None and not scheduler.may_schedule_ahead():
-                self._finish_pending()  # the next step needs its tokens first
+                self.finish_pending()  # the next step needs its tokens first
             batch = scheduler.schedule()
             if scheduler.is_ahead(batch):
                 self._step_ahead(batch)
@@ -170,6 +180,7 @@ class EngineCore:
         output = self.executor.execute(batch, masks)
         self._answers_after_step = []
         try:
+            self._fail_alone(output.failed)
             self._drain_requests(block=False)  # aborts that arrived meanwhile drop their tokens
             result = self.scheduler.update_from_output(batch, output)
             self.step_rnums = None
@@ -192,13 +203,13 @@ class EngineCore:
                 self._apply(*previous)
             self._drain_requests(block=False)  # aborts that arrived meanwhile drop their tokens
             if not self.can_step:  # paused or asleep meanwhile: its record before the answer
-                self._finish_pending()
+                self.finish_pending()
         finally:
             answers, self._answers_after_step = self._answers_after_step, None
         for answer in answers:
             self._send_event(answer)
 
-    def _finish_pending(self) -> None:
+    def finish_pending(self) -> None:
         """Read and apply the step in flight, if any."""
         pending, self._pending = self._pending, None
         if pending is not None:
@@ -206,10 +217,21 @@ class EngineCore:
 
     def _apply(self, batch: StepBatch, pending: PendingOutput) -> None:
         self.step_rnums = batch.scheduled_rnums
-        result = self.scheduler.update_from_output(batch, pending.result())
+        output = pending.result()
+        self._fail_alone(output.failed)
+        result = self.scheduler.update_from_output(batch, output)
         self.step_rnums = None
         self._write(result)
         self._retire_loras()
+
+    def _fail_alone(self, failed: dict[int, str]) -> None:
+        """End the requests a step failed alone (rnum -> why) with ERROR; their tokens go."""
+        if not failed:
+            return
+        for request in self.scheduler.abort_requests(failed, reason=FinishReason.ERROR):
+            why = failed[request.rnum]
+            print(f"trillm engine: request {request.rnum} failed: {why}", file=sys.stderr)
+            self._send_event(P.RequestError(request.rnum, why))
 
     def _flush(self) -> None:
         """Report aborts and rejected ADDs without scheduling (paused or asleep)."""
@@ -300,11 +322,16 @@ class EngineCore:
             if header.grammar:
                 self._grammars_for_requests().submit(header.rnum, header.grammar)
             if self._draining_until is not None:  # draining admits nothing new
-                self._abort([header.rnum])
+                self.abort([header.rnum])
         elif kind == P.ABORT:
-            self._abort(np.frombuffer(payload, "<u8").tolist())
+            self.abort(np.frombuffer(payload, "<u8").tolist())
         elif kind == P.UTILITY:
-            self._utility(self._utility_decoder.decode(payload))
+            try:
+                call = self._utility_decoder.decode(payload)
+            except msgspec.DecodeError as exc:  # no call id to answer: say so, serve on
+                print(f"trillm engine: an unreadable control call: {exc}", file=sys.stderr)
+                return
+            self.controls.call(call)
         elif kind == P.SHUTDOWN:
             shutdown = self._shutdown_decoder.decode(payload)
             self.is_paused = False  # a drain steps what is left
@@ -324,7 +351,7 @@ class EngineCore:
                 f"LoRA adapter id {header.lora_id} is not loaded (unloaded meanwhile?)"
             ) from None
 
-    def _abort(self, rnums: list[int]) -> None:
+    def abort(self, rnums: list[int]) -> None:
         if self._grammars is not None:
             for rnum in rnums:
                 self._grammars.cancel(rnum)
@@ -359,133 +386,23 @@ class EngineCore:
                 self._send_event(P.RequestError(rnum, message))
                 self._needs_flush = True
 
-    def _held_loras(self) -> set[int]:
+    def held_loras(self) -> set[int]:
         return {r.lora_id for r in self.scheduler.requests.values() if r.lora_id}
 
     def _retire_loras(self) -> None:
         """Unloaded adapters whose last request ended leave the workers (`LoraRegistry`)."""
         if self.loras.retiring:
-            self.loras.retire(self._held_loras())
+            self.loras.retire(self.held_loras())
 
     def _abort_all(self) -> None:
-        self._abort(self.scheduler.unfinished_rnums())
+        self.abort(self.scheduler.unfinished_rnums())
 
-    def _utility(self, call: P.UtilityCall) -> None:
-        """Answer a control call; a refused one (`UtilityError`) answers ok=False with why."""
-        result: object
-        try:
-            result, ok = self._call(call.method, call.args), True
-        except UtilityError as exc:
-            result, ok = str(exc), False
-        answer = P.UtilityResult(call.call_id, ok, result)
-        if self._answers_after_step is not None:  # read mid-step: answer after its record
-            self._answers_after_step.append(answer)
+    def answer(self, result: P.UtilityResult) -> None:
+        """Send a control call's answer: after the STEP record of a step it was read in."""
+        if self._answers_after_step is not None:
+            self._answers_after_step.append(result)
         else:
-            self._send_event(answer)
-
-    def _call(self, method: str, args: list[object]) -> object:
-        if method not in P.UTILITY_METHODS:
-            raise UtilityError(f"unknown utility method {method!r}")
-        if method == "reset_prefix_cache":
-            return self.scheduler.reset_prefix_cache()
-        if method == "stats":
-            return msgspec.to_builtins(self.scheduler.statistics())
-        if method == "sleep":
-            return self._sleep(args[0] if args else 1)
-        if method == "wake_up":
-            return self._wake_up()
-        if method == "is_sleeping":
-            return self.sleep_level
-        if method in ("pause", "resume"):
-            self.is_paused = method == "pause"
-            return len(self.scheduler.unfinished_rnums())
-        if method == "is_paused":
-            return self.is_paused
-        if method == "start_profile":
-            return self._start_profile(str(args[0]) if args else "")
-        if method == "stop_profile":
-            return self._stop_profile()
-        if method in ("load_lora_adapter", "unload_lora_adapter"):
-            return self._lora_call(method, args)
-        return "pong"
-
-    def _lora_call(self, method: str, args: list[object]) -> object:
-        """load_lora_adapter [name, path, base_model_name, id] -> id; unload_lora_adapter
-        [id] -> name."""
-        try:
-            if method == "unload_lora_adapter":
-                unloaded = int(str(args[0]))
-                return self.loras.unload(unloaded, held=unloaded in self._held_loras())
-            name, path, base, lora_id = args
-            module = LoraModule(str(name), str(path), None if base is None else str(base))
-            return self.loras.load(msgspec.structs.replace(module, lora_int_id=int(str(lora_id))))
-        except LoraRegistryError as exc:
-            raise UtilityError(str(exc)) from None
-        except (ValueError, IndexError):
-            raise UtilityError(f"{method}: bad arguments {args!r}") from None
-
-    def _sleep(self, level: object) -> int:
-        """Abort what is in flight, forget the prefix cache, free the KV cache (and at level
-        2 move the weights to host memory); return how many requests were aborted."""
-        if not isinstance(level, int) or level not in SLEEP_LEVELS:
-            raise UtilityError(f"sleep level must be 1 or 2, got {level!r}")
-        if self.sleep_level:
-            if level == self.sleep_level:
-                return 0
-            raise UtilityError(
-                f"the engine is asleep at level {self.sleep_level}: wake it up before "
-                f"sleeping at level {level}"
-            )
-        aborted = self.scheduler.unfinished_rnums()
-        self._abort(aborted)
-        self._finish_pending()  # its rows dropped, its aborts reported: then the KV can go
-        self.scheduler.reset_prefix_cache()  # no block is held now, so this cannot refuse
-        self.executor.sleep(level)
-        self.sleep_level = level
-        return len(aborted)
-
-    def _wake_up(self) -> int:
-        """Reallocate the KV cache (and bring the weights back); return the level left."""
-        level = self.sleep_level
-        if level:
-            self.executor.wake_up()
-            self.sleep_level = 0
-        return level
-
-    def _start_profile(self, directory: str) -> str:
-        """Start a torch profiler over this process; return the trace file it will write."""
-        if not directory:
-            raise UtilityError("start_profile needs a directory for the trace (--profiler-dir)")
-        if self._profiler is not None:
-            raise UtilityError(f"a profile is running already (to {self._profile_path})")
-        import torch.profiler
-
-        try:
-            os.makedirs(directory, exist_ok=True)
-        except OSError as exc:
-            raise UtilityError(
-                f"cannot create the profiler directory {directory!r}: {exc}"
-            ) from None
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # the model is here
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        rank = self.config.data_parallel_rank
-        engine = "engine" if rank is None else f"engine_{rank}"
-        name = f"trillm-{engine}-{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S')}.pt.trace.json"
-        profiler = torch.profiler.profile(activities=activities)
-        profiler.start()
-        self._profiler, self._profile_path = profiler, os.path.join(directory, name)
-        return self._profile_path
-
-    def _stop_profile(self) -> str:
-        """Stop the profiler and write its Chrome trace; return the file's path."""
-        profiler, path = self._profiler, self._profile_path
-        if profiler is None:
-            raise UtilityError("no profile is running: start one first (POST /start_profile)")
-        self._profiler = None
-        profiler.stop()
-        profiler.export_chrome_trace(path)
-        return path
+            self._send_event(result)
 
     def _send_event(self, event: P.Event) -> None:
         self.outputs.send(P.EVENT, self._encoder.encode(event), timeout=self.config.output_timeout)

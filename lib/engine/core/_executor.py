@@ -44,6 +44,7 @@ class Executor(abc.ABC):
     model_config: ModelConfig
     max_model_len: int
     kernels: KernelChoice | None = None  # rank 0's, once initialized (None: no model)
+    reads_adapters = True  # its ranks read LoRA files (the null executor: none)
 
     @abc.abstractmethod
     def initialize(self) -> int:
@@ -174,6 +175,8 @@ class NullExecutor(Executor):
     a grammar takes the lowest token its mask allows, so structured requests run for real too
     (and their mask cost is measured without a model).
     """
+
+    reads_adapters = False
 
     def __init__(
         self,

@@ -4,8 +4,9 @@ The frontend knows adapters by name and sends their integer id with each request
 (`AddHeader.lora_id`); the engine keeps, per id, the digest of the adapter's files, which the
 prefix cache mixes into a request's block hashes, so one adapter never reads another's KV.
 Loading (at start-up from `EngineConfig.lora_modules`, or at run time by the
-`load_lora_adapter` utility) has every rank read and check the adapter first: a bad one is
-refused with the worker's message and changes nothing. Unloading forgets the id for new
+`load_lora_adapter` utility, whose files are read and checked on a thread first) has every
+rank read and check the adapter: a bad one is refused with the worker's message and changes
+nothing. Unloading forgets the id for new
 requests at once; the workers keep its weights until no unfinished request holds it: one
 running keeps its row's adapter there, and one still waiting (or preempted) keeps it here
 (`retiring`) until it ends (`retire`), so an unload never breaks a request the engine took.
@@ -32,12 +33,9 @@ class LoraRegistry:
         self.digests: dict[int, bytes] = {}
         self.retiring: set[int] = set()  # unloaded, still held by unfinished requests
 
-    def load(self, module: LoraModule) -> int:
-        """Load `module` on every rank; return its id.
-
-        Raises:
-            LoraRegistryError: LoRA is off, its name or id is taken, or the adapter is bad.
-        """
+    def check_new(self, module: LoraModule) -> None:
+        """Raise `LoraRegistryError` if `module` could not be loaded whatever its files hold:
+        LoRA is off, its id is not positive or still held, its name or id is taken."""
         if not self.enabled:
             raise LoraRegistryError(
                 f"LoRA adapter {module.name!r}: LoRA is off: start the server with --enable-lora"
@@ -55,13 +53,32 @@ class LoraRegistry:
                     f"LoRA adapter {module.name!r} (id {module.lora_int_id}) is loaded already "
                     f"(as {other.name!r}, id {other.lora_int_id}): unload it first"
                 )
+
+    def load(self, module: LoraModule) -> int:
+        """Load `module` on every rank; return its id. Its files were read and checked
+        (`module.digest`): the ranks read the checked copy, and must find that digest.
+
+        Raises:
+            LoraRegistryError: as `check_new`, or a rank refused the adapter.
+        """
+        self.check_new(module)
         try:
             digest = self.executor.add_lora(module)
         except LoraAdapterError as exc:
             raise LoraRegistryError(str(exc)) from None
+        if module.digest and digest != module.digest:  # the ranks read other bytes
+            self.executor.remove_lora(module.lora_int_id)
+            raise LoraRegistryError(
+                f"LoRA adapter {module.name!r}: its files changed while it was loaded: load "
+                f"it again"
+            )
         self.modules[module.lora_int_id] = module
         self.digests[module.lora_int_id] = bytes.fromhex(digest)
         return module.lora_int_id
+
+    def loaded(self) -> list[tuple[int, str]]:
+        """(id, digest) of every adapter loaded: what `Ready` tells the frontend."""
+        return [(i, d.hex()) for i, d in self.digests.items()]
 
     def unload(self, lora_id: int, *, held: bool) -> str:
         """Forget adapter `lora_id` for new requests; return its name. `held`: unfinished

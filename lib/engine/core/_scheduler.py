@@ -147,9 +147,12 @@ class Scheduler:
         request.finish(FinishReason.ERROR)
         return True
 
-    def abort_requests(self, rnums: Iterable[int]) -> list[Request]:
-        """Finish `rnums` with ABORT and free their blocks now; unknown or finished rnums are
-        ignored. The next `update_from_output` reports each one in a row of its own.
+    def abort_requests(
+        self, rnums: Iterable[int], *, reason: FinishReason = FinishReason.ABORT
+    ) -> list[Request]:
+        """Finish `rnums` with `reason` (ABORT; ERROR: a request that failed alone) and free
+        their blocks now; unknown or finished rnums are ignored. The next
+        `update_from_output` reports each one in a row of its own.
 
         Returns:
             The requests aborted by this call.
@@ -164,7 +167,7 @@ class Scheduler:
                 self._finished_rnums.append(request.rnum)
             self.waiting_for_grammar.pop(request.rnum, None)
             self.kv_cache_manager.free(request)
-            request.finish(FinishReason.ABORT)
+            request.finish(reason)
             aborted.append(request)
         if aborted:
             self.running = [r for r in self.running if not r.is_finished]
@@ -563,7 +566,7 @@ class Scheduler:
             num_cached.extend(r.num_cached_tokens for r in pooled_done)
         if self._aborted:
             rnums = np.concatenate([rnums, np.array([r.rnum for r in self._aborted], np.uint64)])
-            finish.extend([FinishReason.ABORT] * len(self._aborted))
+            finish.extend(r.finish_reason for r in self._aborted)
             num_cached.extend(r.num_cached_tokens for r in self._aborted)
             self._aborted = []
         if row_counts is None:

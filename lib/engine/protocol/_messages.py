@@ -115,6 +115,9 @@ class Ready(msgspec.Struct, array_like=True, gc=False, frozen=True):
     pid: int
     kernels: KernelChoice | None = None  # what the model runs with (None: no model)
     hidden_size: int = 0  # the width of a prompt embedding (`AddHeader.prompt_embeds`)
+    # (id, digest) of the LoRA adapters loaded: a restarted engine skips one that no longer
+    # loads, and the frontend drops what is not here
+    loras: list[tuple[int, str]] = []
 
 
 class UtilityResult(msgspec.Struct, tag="utility_result", array_like=True, gc=False, frozen=True):

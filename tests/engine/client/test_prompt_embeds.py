@@ -63,7 +63,8 @@ def entry(dtype: str, shape: Any, end: int) -> dict[str, Any]:
         ),
         (
             raw({"a": entry("F32", "2x2", 16)}, bytes(16)),
-            NOT_ST + "tensor 'a' has shape '2x2' and data_offsets [0, 16]",
+            NOT_ST + "tensor 'a' has shape '2x2' and data_offsets [0, 16] (both lists of "
+            "non-negative integers)",
         ),
     ],
 )
