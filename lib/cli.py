@@ -162,8 +162,15 @@ def run_api_server(config: ServerConfig) -> int:
 def reported_errors() -> tuple[type[Exception], ...]:
     """The failures `trillm serve` reports in one line and exits 1 for (no traceback)."""
     from .engine.client import EngineDeadError, EngineStartError
+    from .transport_shm import SharedMemorySpaceError, SharedMemoryUnavailableError
 
-    return (EngineStartError, EngineDeadError, ValueError)
+    return (
+        EngineStartError,
+        EngineDeadError,
+        ValueError,
+        SharedMemorySpaceError,  # /dev/shm too small: the message says how to grow it
+        SharedMemoryUnavailableError,  # /dev/shm missing or read-only: how to mount one
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,7 @@ it adds torch.profiler's count of the kernels that ran, eager and in a graph rep
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import gc
 import json
@@ -210,6 +211,27 @@ def counting_graph_replays() -> Iterator[list[int]]:
         torch.cuda.CUDAGraph.replay = original  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def recording_paths() -> Iterator[collections.Counter[str]]:
+    """Counts the path each step inside the block took (`_forward.choose_path`: graph,
+    eager, C step...), so a replay count that falls short explains itself (issue 48)."""
+    import trillm.gpu._model_runner as model_runner
+
+    counts: collections.Counter[str] = collections.Counter()
+    original = model_runner.choose_path
+
+    def choose(*args: Any, **kwargs: Any) -> Any:
+        path = original(*args, **kwargs)
+        counts[path.name.lower()] += 1
+        return path
+
+    model_runner.choose_path = choose
+    try:
+        yield counts
+    finally:
+        model_runner.choose_path = original
+
+
 def run_requests(
     runner: ModelRunner, prompts: list[list[int]], new_tokens: int, first_rnum: int
 ) -> list[float]:
@@ -320,8 +342,9 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 def decode_times(
     runner: ModelRunner, batches: list[int], context: int, steps: int
-) -> dict[int, tuple[float, int]]:
-    """Per batch size: the median decode step (s) and how many CUDA graph replays it made.
+) -> dict[int, tuple[float, int, dict[str, int]]]:
+    """Per batch size: the median decode step (s), how many CUDA graph replays it made, and
+    how many of its steps took each path (the prefill step among them).
 
     The warm-up (kernels compiled, caches filled) prefills one block per sequence, not the
     run's whole context: at batch 64 that is 1k tokens rather than 32k."""
@@ -331,9 +354,9 @@ def decode_times(
         warm = prompts(b, BLOCK_SIZE, vocab, seed=-b % 2**31)
         run_requests(runner, warm, 3, first_rnum=10_000 * b)
         batch = prompts(b, context, vocab, seed=b)
-        with counting_graph_replays() as replays:
+        with counting_graph_replays() as replays, recording_paths() as paths:
             times = run_requests(runner, batch, steps + 1, first_rnum=10_000 * b + 1000)
-        result[b] = (statistics.median(times[1:]), replays[0])
+        result[b] = (statistics.median(times[1:]), replays[0], dict(paths))
     return result
 
 
@@ -392,8 +415,8 @@ def benchmark(args: argparse.Namespace, device: torch.device, model_dir: Path) -
     for b in batches:
         kv = kv_bytes(mc, round(b * mean_context), element)
         roofline_s = (weights + kv) / bandwidth
-        graphs_s, graphs_replays = decode["graphs"][b]
-        eager_s, eager_replays = decode["eager"].get(b, (None, None))  # None: not run eager
+        graphs_s, graphs_replays, graphs_paths = decode["graphs"][b]
+        eager_s, eager_replays, eager_paths = decode["eager"].get(b, (None, None, None))
         decode_rows.append(
             {
                 "batch": b,
@@ -411,6 +434,8 @@ def benchmark(args: argparse.Namespace, device: torch.device, model_dir: Path) -
                 "graphs_of_roofline": roofline_s / graphs_s,
                 "eager_graph_replays": eager_replays,
                 "graph_replays": graphs_replays,
+                "graphs_paths": graphs_paths,  # steps per path: prefill, then decodes
+                "eager_paths": eager_paths,
             }
         )
     prefill_rows = [
@@ -443,9 +468,11 @@ def problems(
         found.append(f"no CUDA graphs were captured: {captures['graphs'].get('reason')}")
     for row in decode_rows:
         if row["graph_replays"] < row["decode_steps"]:
+            paths = ", ".join(f"{n} {p}" for p, n in sorted(row["graphs_paths"].items()))
             found.append(
                 f"batch {row['batch']}: {row['graph_replays']} graph replays in "
-                f"{row['decode_steps']} decode steps (graphs off: every decode step should replay)"
+                f"{row['decode_steps']} decode steps (graphs on: every decode step should "
+                f"replay); the steps' paths: {paths}"
             )
         if row["eager_graph_replays"]:
             found.append(f"batch {row['batch']}: enforce_eager=True still replayed graphs")

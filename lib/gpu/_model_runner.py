@@ -52,6 +52,7 @@ from ._grammar_mask import apply_grammar_bitmask, step_bitmask
 from ._hugepages import huge_zeros
 from ._input_batch import InputBatch, StepInputs
 from ._kernels import choose_kernels, fused_kernels_for
+from ._kv_budget import margin_note
 from ._lora import LoraManager
 from ._lora_files import LoraAdapterError
 from ._model_config import ModelConfig
@@ -269,8 +270,17 @@ class ModelRunner:
         block_numel = self.block_size * kv_heads * cfg.head_dim
         return TorchAttention(self.block_size, block_numel, self.dtype, self.device)
 
-    def capture_cuda_graphs(self, *, off_cuda: bool = False) -> str:
-        """Capture decode graphs (after `init_kv_cache`); returns the line to log.
+    def graph_sizes(self) -> tuple[int, ...]:
+        """The decode batch sizes `capture_cuda_graphs` will capture on CUDA (() if none)."""
+        from ._attention_triton import TritonAttention
+
+        if self.tp.world_size > 1 or not isinstance(self.attention, TritonAttention):
+            return ()
+        return tuple(sorted(self.config.cuda_graph_sizes()))
+
+    def capture_cuda_graphs(self, *, off_cuda: bool = False, margin: int = 0) -> str:
+        """Capture decode graphs (after `init_kv_cache`); returns the line to log, with the
+        pool's size against the `margin` kept for it when the KV cache was sized.
 
         `off_cuda` builds the static, padded buffers on CPU too (no graph: tests).
         """
@@ -295,7 +305,7 @@ class ModelRunner:
         )
         report = graphs.capture()
         self.graphs = graphs
-        return report.describe()
+        return report.describe() + margin_note(report.bytes, margin)
 
     # -- one step ---------------------------------------------------------------------------
 

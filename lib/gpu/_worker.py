@@ -24,6 +24,7 @@ from ..config import WorkerConfig
 from ..wire import KernelChoice, LoraModule
 from ._ahead import PendingOutput
 from ._config import torch_device
+from ._kv_budget import DeviceMemory, kv_budget
 from ._model_runner import ModelRunner
 from ._parallel import TensorParallel
 from ._startup_log import StartupLog
@@ -58,6 +59,7 @@ class Worker:
         self.device = torch.device("cpu")
         self.tp = TensorParallel()
         self.free_memory_at_start = 0
+        self.graph_margin = 0  # kept free for the decode graphs at sizing (`_kv_budget`)
         self._runner: ModelRunner | None = None
         self._asleep_blocks: int | None = None  # the KV cache's size while asleep
         self._weights_offloaded = False  # sleep level 2 on CUDA: the weights are on the host
@@ -121,13 +123,9 @@ class Worker:
         """
         per_block = self.runner.kv_bytes_per_block()
         if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            with self.log.phase("profile run (peak activation memory)"):
-                self.profile_run()
-            total = torch.cuda.mem_get_info(self.device)[1]
-            used_outside = total - self.free_memory_at_start  # other processes, before us
-            budget = int(total * self.config.gpu_memory_utilization) - used_outside
-            budget -= torch.cuda.max_memory_allocated(self.device)
+            memory = self.profile_memory()
+            self.graph_margin = memory.graph_margin
+            budget = kv_budget(memory, self.config.gpu_memory_utilization)
         else:
             budget = self.config.kv_cache_bytes
         blocks = budget // per_block
@@ -140,15 +138,38 @@ class Worker:
             )
         return int(blocks)
 
-    def profile_run(self) -> None:
+    def profile_memory(self) -> DeviceMemory:
+        """The profile runs' numbers (`_kv_budget`): a full token budget's forward, then an
+        eager one of the largest captured decode batch, whose peak sizes the graphs' pool."""
+        device = self.device
+        torch.cuda.reset_peak_memory_stats(device)
+        with self.log.phase("profile run (peak activation memory)"):
+            self.profile_run()
+        sizes = self.runner.graph_sizes()
+        graph_activations = 0
+        if sizes:
+            torch.cuda.synchronize(device)
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)  # reserved memory never shrinks
+            with self.log.phase(f"profile run of a {sizes[-1]}-decode graph batch"):
+                self.profile_run(num_seqs=sizes[-1], seq_len=1)
+            graph_activations = max(1, torch.cuda.max_memory_allocated(device) - before)
+        return DeviceMemory(
+            total=torch.cuda.mem_get_info(device)[1],
+            free_at_start=self.free_memory_at_start,
+            peak_reserved=torch.cuda.max_memory_reserved(device),
+            graph_activations=graph_activations,
+        )
+
+    def profile_run(self, *, num_seqs: int = 0, seq_len: int = 0) -> None:
         """One forward of a full token budget, so peak activation memory can be measured.
 
         Uses a throw-away KV cache just large enough, and leaves no request behind.
         """
         runner, config = self.runner, self.config
         total = config.max_num_batched_tokens
-        seq_len = min(total, runner.max_model_len - 1)  # room for the sampled token
-        num_seqs = min(config.max_num_seqs, -(-total // seq_len))
+        seq_len = seq_len or min(total, runner.max_model_len - 1)  # room for a sampled token
+        num_seqs = num_seqs or min(config.max_num_seqs, -(-total // seq_len))
         blocks_per_seq = -(-seq_len // config.block_size)
         saved = runner.kv_caches
         runner.init_kv_cache(num_seqs * blocks_per_seq)
@@ -165,7 +186,7 @@ class Worker:
             self.runner.init_kv_cache(num_blocks)
         if self.device.type == "cuda":
             with self.log.phase("CUDA graphs captured"):
-                line = self.runner.capture_cuda_graphs()
+                line = self.runner.capture_cuda_graphs(margin=self.graph_margin)
             if self.rank == 0:
                 print(f"trillm: {line}", file=sys.stderr, flush=True)
         self.log.total()

@@ -12,6 +12,7 @@ Knows nothing of the engine: it moves bytes and arrays (DESIGN.md §5).
 from ._errors import BusyError as BusyError
 from ._errors import RecordTooLargeError as RecordTooLargeError
 from ._errors import SharedMemorySpaceError as SharedMemorySpaceError
+from ._errors import SharedMemoryUnavailableError as SharedMemoryUnavailableError
 from ._errors import TransportError as TransportError
 from ._heartbeat import Heartbeat as Heartbeat
 from ._layout import RingAddress as RingAddress

@@ -47,3 +47,15 @@ class SharedMemorySpaceError(TransportError, OSError):
         )
         self.size = size
         self.free = free
+
+
+class SharedMemoryUnavailableError(TransportError, OSError):
+    """No shared-memory segment can be created: ``/dev/shm`` is missing or not writable."""
+
+    def __init__(self, name: str, directory: str, cause: BaseException) -> None:
+        super().__init__(
+            f"cannot create shared-memory segment {name}: {cause}; trillm's rings live in "
+            f"{directory}, which must be a writable tmpfs: mount one (as root: mount -t tmpfs "
+            f"-o size=1g tmpfs {directory}; for Docker, --shm-size or --ipc=host)"
+        )
+        self.directory = directory

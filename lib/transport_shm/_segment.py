@@ -24,7 +24,7 @@ from typing import Final
 
 import posix_ipc
 
-from ._errors import SharedMemorySpaceError
+from ._errors import SharedMemorySpaceError, SharedMemoryUnavailableError
 
 SHM_DIR: Final = "/dev/shm"
 PREFIX: Final = "trillm"
@@ -99,12 +99,16 @@ class Segment:
 
         Raises:
             SharedMemorySpaceError: ``/dev/shm`` has fewer than `size` bytes free.
+            SharedMemoryUnavailableError: ``/dev/shm`` is missing or not writable.
         """
         if size <= 0:
             raise ValueError(f"segment size must be positive, got {size}")
         sweep_stale_segments()
         name = f"/{PREFIX}-{os.getpid()}-{secrets.token_hex(8)}"
-        shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o600, size=0)
+        try:
+            shm = posix_ipc.SharedMemory(name, flags=posix_ipc.O_CREX, mode=0o600, size=0)
+        except (posix_ipc.Error, OSError) as exc:  # ENOENT, EACCES, EROFS: no /dev/shm to use
+            raise SharedMemoryUnavailableError(name, SHM_DIR, exc) from exc
         try:
             os.fchmod(shm.fd, 0o600)  # whatever the umask
             try:

@@ -163,20 +163,23 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def compare_runs(reference: GreedyRun, got: GreedyRun, *, tie: float, tol: float) -> None:
-    """`got`'s tokens are `reference`'s up to near ties, 90% of them at least; where both have
-    logits for the same context, they agree within `tol` (relative to the logits' std)."""
+    """`got`'s tokens are `reference`'s up to a first difference that is a near tie (after
+    it the contexts differ: nothing later compares); where both have logits for the same
+    context, they agree within `tol` (relative to the logits' std): the real check.
+
+    A request that diverges at a near tie agrees (issue 48: one early bf16 near tie failed
+    a rule of 90% of the tokens agreeing, though every logit was within tolerance)."""
     assert reference.logits is not None
-    agreed = total = 0
-    worst = 0.0
+    worst, compared = 0.0, 0
     for ref, ours in zip(reference.requests, got.requests, strict=True):
         ref_logits = reference.logits[ref.rnum]
         n = agreeing_prefix(ours.output, ref.output, ref_logits, tie, f"request {ref.rnum}")
-        agreed, total = agreed + n, total + len(ref.output)
         if got.logits is not None:  # sample k has the same context while tokens < k agree
             for k in range(min(n + 1, len(ref.output))):
                 worst = max(worst, relative_error(got.logits[ours.rnum][k], ref_logits[k]))
+                compared += 1
     assert worst < tol, f"logits differ by {worst:.3g} of their std (limit {tol:g})"
-    assert agreed >= 0.9 * total, f"only {agreed} of {total} tokens agree before a near tie"
+    assert got.logits is None or compared >= len(reference.requests)  # each request's first
 
 
 # -- triton attention against the torch reference ----------------------------------------------
@@ -324,7 +327,8 @@ def test_steps_ahead_on_cuda_give_the_synchronous_tokens(
     device from the step in flight's sampled tokens (into the graph's static ids when
     replayed), its output read later through pinned memory and an event; the tokens equal
     the synchronous runner's, step for step."""
-    prompts = [list(range(60 + 50 * i, 70 + 37 * i)) for i in range(3)]
+    prompts = [list(range(60 + 50 * i, 70 + 57 * i)) for i in range(3)]  # 10, 17, 24 tokens
+    assert all(prompts)
     sync = cuda_runner(head_dim_64_dir, "float32", graphs=graphs)
     expected = [sync.execute(b).token_ids.tolist() for b in ahead_steps(prompts, 12)]
     runner = cuda_runner(head_dim_64_dir, "float32", graphs=graphs)

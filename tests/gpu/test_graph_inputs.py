@@ -55,3 +55,21 @@ def test_a_step_that_does_not_fit_is_refused(b: int, size: int, width: int) -> N
     inputs = GraphInputs(8, 6, torch.device("cpu"))
     with pytest.raises(ValueError, match="do not fit the graphs' inputs"):
         inputs.fill(size, *_step(b, width, 4))
+
+
+@pytest.mark.parametrize(("b", "width"), [(1, 1), (64, 128), (256, 128), (64, 1024)])
+def test_a_steps_copies_grow_with_its_batch_and_longest_sequence_not_max_model_len(
+    b: int, width: int
+) -> None:
+    """Issue 48, item 8: at a 131,072-token max_model_len (8,192 blocks of 16) every replay
+    copied 4 x rows x 8,192 bytes of table. Now the table's bytes are 4 x B x width, twice
+    (to the device packed, then into the graphs' rows), beside the small parts' 28 x n."""
+    n, max_blocks = 256, 8192
+    inputs = GraphInputs(n, max_blocks, torch.device("cpu"))
+    step = _step(b, width, 5)
+    inputs.fill(b, *step)
+    assert inputs.copied_bytes == 28 * n + 2 * 4 * b * width
+    assert torch.equal(inputs.block_tables[:b, :width], torch.from_numpy(step[4]))
+    narrower = _step(b, max(1, width // 2), 6)  # a later, shorter step: its own columns
+    inputs.fill(b, *narrower)
+    assert torch.equal(inputs.block_tables[:b, : width // 2 or 1], torch.from_numpy(narrower[4]))

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import posix_ipc
 import pytest
@@ -18,6 +19,7 @@ from trillm.transport_shm import (
     RingWriter,
     Segment,
     SharedMemorySpaceError,
+    SharedMemoryUnavailableError,
     sweep_stale_segments,
 )
 
@@ -102,6 +104,46 @@ def test_too_large_segment_fails_at_creation_naming_size_and_free_space(
     with pytest.raises(SharedMemorySpaceError, match=rf"cannot reserve {size} bytes .* free"):
         Segment.create(size)
     assert shm_names() == before
+
+
+# What shm_open(3) answers with /dev/shm missing (ENOENT), not ours (EACCES) or read-only.
+NO_SHM = [posix_ipc.ExistentialError, posix_ipc.PermissionsError, OSError]
+
+
+@pytest.mark.parametrize("error", NO_SHM, ids=lambda e: e.__name__)
+def test_no_usable_dev_shm_fails_at_creation_naming_it(
+    monkeypatch: pytest.MonkeyPatch, error: type[Exception]
+) -> None:
+    """Issue 48, item 4: a machine without /dev/shm (a bare VM image) must say so."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise error("No such file or directory")
+
+    monkeypatch.setattr(posix_ipc, "SharedMemory", refuse)
+    with pytest.raises(SharedMemoryUnavailableError, match=r"rings live in /dev/shm, which must"):
+        Segment.create(4096)
+
+
+def test_trillm_serve_without_dev_shm_fails_at_start_in_one_line(tmp_path: Path) -> None:
+    """The whole server: one line naming /dev/shm and how to mount it, exit 1, no traceback."""
+    script = tmp_path / "no_shm.py"
+    script.write_text(
+        "import sys, posix_ipc\n"
+        "real = posix_ipc.SharedMemory\n"
+        "def shm(name, flags=0, *a, **k):\n"
+        "    if flags & posix_ipc.O_CREAT:\n"
+        "        raise posix_ipc.ExistentialError('No such file or directory')\n"
+        "    return real(name, flags, *a, **k)\n"
+        "posix_ipc.SharedMemory = shm\n"
+        "from trillm.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    args = [sys.executable, str(script), "serve", "--executor", "null", "--port", "0"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("trillm serve: ")]
+    assert "cannot create shared-memory segment" in line and "mount -t tmpfs" in line
 
 
 def test_attach_to_a_missing_segment_says_why() -> None:
