@@ -27,9 +27,18 @@ PREFIX = "#/components/schemas/"
 DROPPED = {"description", "example", "examples", "x-oaiMeta"}
 
 
-def stripped(node: Any) -> Any:
+NAMES = {"properties", "patternProperties", "$defs", "definitions"}  # keys there are names
+
+
+def stripped(node: Any, *, names: bool = False) -> Any:
+    """`node` without the annotations; a map of names (`properties`) keeps every name, so a
+    property called `description` stays."""
     if isinstance(node, dict):
-        return {k: stripped(v) for k, v in node.items() if k not in DROPPED}
+        return {
+            k: stripped(v, names=k in NAMES and not names)
+            for k, v in node.items()
+            if names or k not in DROPPED
+        }
     if isinstance(node, list):
         return [stripped(v) for v in node]
     return node
