@@ -41,6 +41,8 @@ from ._errors import (
 from ._generate import Generation
 from ._lora_routes import LoraRoutes
 from ._metrics import Metrics
+from ._models_api import PREFIX as MODELS_PREFIX
+from ._models_api import ModelsAPI
 from ._offload import default_threads
 from ._pooling_api import Edge, PoolingAPI
 from ._rank import pinned_rank
@@ -50,7 +52,6 @@ from ._schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     decode_request,
-    models_response,
     version_response,
 )
 from ._tokenize_api import TokenizeAPI
@@ -111,10 +112,13 @@ class App:
         self.admission = Admission(
             max_queued=config.max_queued_requests, max_per_request=config.max_prompts_per_request
         )
+        self.models = ModelsAPI(
+            llm, config.served_model_name, dev=config.enable_dev_endpoints, respond=self._respond
+        )
         self._routes: dict[tuple[str, str], Callable[..., Awaitable[None]]] = {
             ("GET", "/health"): self._health,
             ("GET", "/version"): self._version,
-            ("GET", "/v1/models"): self._models,
+            ("GET", "/v1/models"): self.models.list_models,
             ("GET", "/metrics"): self._metrics,
             ("POST", "/v1/completions"): self._completions,
             ("POST", "/v1/chat/completions"): self._chat,
@@ -194,8 +198,15 @@ class App:
         handler = self._routes.get((method, path))
         if handler is None and path.startswith(ITEM_PREFIX):  # /v1/responses/{id}
             handler = self._item_routes.get(method)
+        model_item = path.startswith(MODELS_PREFIX)  # /v1/models/{model}
+        if handler is None and model_item and method == "GET":
+            handler = self.models.retrieve
         if handler is None:
-            if any(p == path for _, p in self._routes) or path.startswith(ITEM_PREFIX):
+            if (
+                any(p == path for _, p in self._routes)
+                or path.startswith(ITEM_PREFIX)
+                or model_item
+            ):
                 raise RequestError(405, f"method {method} is not allowed on {path}")
             raise not_found(f"route {path}")
         return handler
@@ -251,18 +262,6 @@ class App:
         kernels = self.llm.ready.kernels
         info = msgspec.structs.asdict(kernels) if kernels is not None else None
         await self._respond(send, 200, version_response(__version__, info), extra)
-
-    async def _models(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
-        served = self.config.served_model_name
-        # An adapter's root is its server path only for dev endpoints' users (vLLM shows it
-        # to anyone, telling every key holder the server's directories).
-        dev = self.config.enable_dev_endpoints
-        adapters = [
-            (m.name, m.path if dev else m.name, m.base_model_name or served)
-            for m in self.llm.loras.modules()
-        ]
-        body = models_response([served], max_model_len=self.llm.max_model_len, adapters=adapters)
-        await self._respond(send, 200, body, extra)
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
         if not self.llm.errored:

@@ -101,6 +101,7 @@ class ChatTokenLogprob(msgspec.Struct):
 
 class ChatLogprobs(msgspec.Struct):
     content: list[ChatTokenLogprob]
+    refusal: list[ChatTokenLogprob] | None = None  # OpenAI's: required, null (no refusals)
 
 
 class ToolCallFunctionOut(msgspec.Struct):
@@ -116,6 +117,7 @@ class ToolCallOut(msgspec.Struct):
 
 class ChatResponseMessage(msgspec.Struct):
     content: str | None
+    refusal: str | None = None  # OpenAI's: required, null (this server never refuses)
     role: str = "assistant"
     tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET
     reasoning: str | msgspec.UnsetType = msgspec.UNSET

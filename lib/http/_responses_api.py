@@ -76,12 +76,14 @@ class FunctionTool(msgspec.Struct, frozen=True, kw_only=True):
     strict: bool | None = None
 
 
-class ToolChoiceObject(msgspec.Struct, frozen=True, kw_only=True):
+# The response echoes these as sent (`omit_defaults`): an unset field is no field, where
+# OpenAI's schema has no null for it (`text.format.description`, `tool_choice.name`).
+class ToolChoiceObject(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     type: str
     name: str | None = None
 
 
-class TextFormat(msgspec.Struct, frozen=True, kw_only=True):
+class TextFormat(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     type: str
     name: str | None = None
     schema: dict[str, Any] | None = None
@@ -89,7 +91,7 @@ class TextFormat(msgspec.Struct, frozen=True, kw_only=True):
     description: str | None = None
 
 
-class TextConfig(msgspec.Struct, frozen=True, kw_only=True):
+class TextConfig(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     format: TextFormat | None = None
     verbosity: str | None = None
 

@@ -219,7 +219,7 @@ class ResponsesFace:
         }
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         text = msgspec.to_builtins(r.text) if r.text is not None else {"format": {"type": "text"}}
-        return {
+        response = {
             "id": self.id,
             "object": "response",
             "created_at": self.created_at,
@@ -247,8 +247,14 @@ class ResponsesFace:
             "user": r.user,
             "safety_identifier": r.safety_identifier,
             "prompt_cache_key": r.prompt_cache_key,
-            "usage": usage if status != "in_progress" else None,
+            "usage": usage,
         }
+        # OpenAI's schema has a string or no field, an object or no field.
+        if r.user is None:
+            del response["user"]
+        if status == "in_progress":  # nothing counted yet
+            del response["usage"]
+        return response
 
     def _keep(self, turn: TurnBlocks, body: bytes) -> None:
         """Store the finished response, and its conversation for a `previous_response_id`."""

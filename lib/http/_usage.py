@@ -13,12 +13,13 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int
 
 
-class Usage(msgspec.Struct):
+class Usage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    # null unless the server runs with --enable-prompt-tokens-details (vLLM's default too):
-    # cached_tokens tells a client how much of its prompt another request sent before.
+    # absent unless the server runs with --enable-prompt-tokens-details (OpenAI's schema has
+    # an object or no field; vLLM's null fails it): cached_tokens tells a client how much
+    # of its prompt another request sent before.
     prompt_tokens_details: PromptTokensDetails | None = None
 
 

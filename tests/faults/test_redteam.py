@@ -575,7 +575,7 @@ UNKNOWN = [
     ("POST", "/metrics"),
     ("GET", "/tokenize"),
     ("GET", "/docs"),
-    ("GET", "/v1/models/tiny"),
+    ("GET", "/v1/models/nothing"),
 ]
 
 

@@ -117,11 +117,11 @@ def _chat_again(server: Server, rng: random.Random, *, stream: bool) -> tuple[An
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_cached_tokens_are_null_by_default(server: Server, stream: bool) -> None:
+def test_cached_tokens_are_absent_by_default(server: Server, stream: bool) -> None:
     rng = random.Random(f"null-{stream}")
     usages = [*_guesses(server, rng, stream=stream), *_chat_again(server, rng, stream=stream)]
     assert [u["prompt_tokens"] for u in usages[:2]] == [4 * BLOCK] * 2
-    assert [u["prompt_tokens_details"] for u in usages] == [None] * 4
+    assert ["prompt_tokens_details" in u for u in usages] == [False] * 4
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import transformers
 
@@ -54,6 +55,13 @@ def test_requests_pick_an_adapter_by_model_and_models_lists_it(
     cards = {card["id"]: card for card in models}
     assert cards["sql"]["parent"] == models[0]["id"]  # the served model
     assert cards["sql"]["root"] == "sql"  # never the server's path (--enable-dev-endpoints)
+    assert models[0]["root"] == models[0]["id"]  # started from a path: its name stands for it
+    sdk = openai.OpenAI(base_url=f"{lora_server.base_url}/v1", api_key="x", max_retries=0)
+    one = sdk.models.retrieve("sql").model_dump(exclude_none=True, exclude={"created"})
+    assert one == {k: v for k, v in cards["sql"].items() if k != "created"}
+    assert sdk.models.retrieve(models[0]["id"]).id == models[0]["id"]
+    with pytest.raises(openai.NotFoundError, match="the model 'chat'"):
+        sdk.models.retrieve("chat")  # not loaded (yet)
     got = complete(lora_server, "sql").json()["choices"][0]["text"]
     want = merged_greedy(tiny_model, adapters["sql"], PROMPT, 6)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model)

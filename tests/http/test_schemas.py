@@ -585,6 +585,10 @@ def test_the_small_responses() -> None:
         1700000000,
     )
     assert models["data"][0]["max_model_len"] == 2048
+    assert models["data"][0]["root"] == "tiny"  # the model it runs, by name unless given
+    assert "parent" in models["data"][0] and models["data"][0]["parent"] is None
+    rooted = json.loads(models_response(["tiny"], max_model_len=2048, root="org/tiny"))
+    assert rooted["data"][0]["root"] == "org/tiny"
     assert json.loads(tokenize_response([1, 2, 3], max_model_len=2048)) == {
         "tokens": [1, 2, 3],
         "count": 3,
