@@ -98,6 +98,7 @@ class ServeConfig:
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's environment variable
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING, as a flag).
     enable_runtime_lora_updating: bool = False
+    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (vLLM's flag)
 
 
 class App:
@@ -128,7 +129,10 @@ class App:
         edge = Edge(self._read_body, self._decode, self._admitted, self._check_model, self._respond)
         pooling = PoolingAPI(edge, self.generation, config.served_model_name)
         self._routes.update(pooling.routes())
-        self._routes.update(TokenizeAPI(edge, self.generation, self.admission.hold).routes())
+        tokenize = TokenizeAPI(
+            edge, self.generation, self.admission.hold, info=config.enable_tokenizer_info_endpoint
+        )
+        self._routes.update(tokenize.routes())
         if config.enable_runtime_lora_updating:
             lora = LoraRoutes(
                 llm, config.served_model_name, self._read_body, self._decode, self._respond

@@ -1,9 +1,11 @@
-"""The small endpoints' bodies: `/v1/models`, `/tokenize`, `/detokenize`, `/version`."""
+"""The small endpoints' bodies: `/v1/models`, `/tokenize`, `/detokenize`, `/version`,
+`/tokenizer_info`."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import msgspec
 
@@ -29,6 +31,7 @@ class TokenizeResponse(msgspec.Struct):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str] | None = None  # with return_token_strs (vLLM's)
 
 
 class DetokenizeResponse(msgspec.Struct):
@@ -58,8 +61,14 @@ def models_response(
     return _encoder.encode(ModelList(cards))
 
 
-def tokenize_response(tokens: list[int], *, max_model_len: int) -> bytes:
-    return _encoder.encode(TokenizeResponse(tokens, len(tokens), max_model_len))
+def tokenize_response(
+    tokens: list[int], *, max_model_len: int, token_strs: list[str] | None = None
+) -> bytes:
+    return _encoder.encode(TokenizeResponse(tokens, len(tokens), max_model_len, token_strs))
+
+
+def tokenizer_info_response(info: dict[str, Any]) -> bytes:
+    return _encoder.encode(info)
 
 
 def detokenize_response(prompt: str) -> bytes:
