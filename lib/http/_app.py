@@ -123,7 +123,11 @@ class App:
             ("POST", "/v1/messages"): self._messages,
             ("POST", "/v1/messages/count_tokens"): self._count_tokens,
         }
-        self._item_routes = {"GET": self._get_response, "DELETE": self._delete_response}
+        self._item_routes = {
+            "GET": self._get_response,
+            "DELETE": self._delete_response,
+            "POST": self._cancel_response,  # /v1/responses/{id}/cancel
+        }
         self.responses = ResponsesAPI(self.generation, ResponseStore(config.responses_store_size))
         self.messages = MessagesAPI(self.generation)
         edge = Edge(self._read_body, self._decode, self._admitted, self._check_model, self._respond)
@@ -351,6 +355,21 @@ class App:
     ) -> None:
         body = self.responses.store.delete(scope["path"][len(ITEM_PREFIX) :])
         await self._respond(send, 200, body, extra)
+
+    async def _cancel_response(
+        self, scope: Scope, receive: Receive, send: Send, extra: list[Any]
+    ) -> None:
+        response_id, _, rest = scope["path"][len(ITEM_PREFIX) :].partition("/")
+        if rest != "cancel":
+            raise RequestError(405, f"method POST is not allowed on {scope['path']}")
+        body = await self.responses.background.cancel(response_id)
+        await self._respond(send, 200, body, extra)
+
+    async def run_background(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Own the background responses' runs (`background: true`) until cancelled."""
+        await self.responses.background.serve(task_status=task_status)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.served_model_name:

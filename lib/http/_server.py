@@ -201,6 +201,7 @@ async def run_server(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_signals, app, shutdown, nursery.cancel_scope)
             nursery.start_soon(_exit_on_engine_death, app, config, nursery.cancel_scope)
+            await nursery.start(app.run_background)
             if llm.ready.kernels is not None:
                 print(f"trillm: {llm.ready.kernels.describe()}", file=sys.stderr, flush=True)
             print(
