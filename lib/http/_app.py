@@ -39,6 +39,7 @@ from ._errors import (
     unauthorized,
 )
 from ._generate import Generation
+from ._invocations import invocation_route, replayed
 from ._lora_routes import LoraRoutes
 from ._metrics import Metrics
 from ._offload import default_threads
@@ -122,6 +123,7 @@ class App:
             ("POST", "/v1/responses"): self._responses,
             ("POST", "/v1/messages"): self._messages,
             ("POST", "/v1/messages/count_tokens"): self._count_tokens,
+            ("POST", "/invocations"): self._invocations,
         }
         self._item_routes = {
             "GET": self._get_response,
@@ -355,6 +357,15 @@ class App:
     ) -> None:
         body = self.responses.store.delete(scope["path"][len(ITEM_PREFIX) :])
         await self._respond(send, 200, body, extra)
+
+    async def _invocations(
+        self, scope: Scope, receive: Receive, send: Send, extra: list[Any]
+    ) -> None:
+        body = await self._read_body(scope, receive)
+        handler = self._routes.get(("POST", invocation_route(body)))
+        if handler is None:
+            raise not_found("route for this /invocations body (this server serves no embeddings)")
+        await handler(scope, replayed(body, receive), send, extra)
 
     async def _cancel_response(
         self, scope: Scope, receive: Receive, send: Send, extra: list[Any]
