@@ -132,7 +132,7 @@ SERVE_LAYOUT: tuple[tuple[tuple[str, str | None] | None, str], ...] = (
         enable_prompt_tokens_details responses_store_size tool_call_parser reasoning_parser
         chat_template pooler_config enable_prompt_embeds
         enable_lora lora_modules max_loras max_lora_rank max_cpu_loras
-        enable_runtime_lora_updating
+        enable_runtime_lora_updating enable_tokenizer_info_endpoint
         inject_fault executor null_step_time""",
     ),
     (DEV, "enable_dev_endpoints profiler_dir"),

@@ -12,7 +12,7 @@ then grows to its real weight, checked again.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from ._errors import RequestError, overloaded
@@ -56,6 +56,16 @@ class Held:
         else:
             admission.queued += extra
         self.weight = weight
+
+    def hand_over(self) -> Callable[[], None]:
+        """Keep this share past the request's end (a background run): the request then frees
+        nothing, and the call returned frees the share, once."""
+        weight, self.weight = self.weight, 0
+
+        def release() -> None:
+            self._admission.queued -= weight
+
+        return release
 
 
 class Admission:

@@ -39,6 +39,7 @@ from ._errors import (
     unauthorized,
 )
 from ._generate import Generation
+from ._invocations import invocation_route, replayed
 from ._lora_routes import LoraRoutes
 from ._metrics import Metrics
 from ._models_api import PREFIX as MODELS_PREFIX
@@ -99,6 +100,7 @@ class ServeConfig:
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's environment variable
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING, as a flag).
     enable_runtime_lora_updating: bool = False
+    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (vLLM's flag)
 
 
 class App:
@@ -125,14 +127,22 @@ class App:
             ("POST", "/v1/responses"): self._responses,
             ("POST", "/v1/messages"): self._messages,
             ("POST", "/v1/messages/count_tokens"): self._count_tokens,
+            ("POST", "/invocations"): self._invocations,
         }
-        self._item_routes = {"GET": self._get_response, "DELETE": self._delete_response}
+        self._item_routes = {
+            "GET": self._get_response,
+            "DELETE": self._delete_response,
+            "POST": self._cancel_response,  # /v1/responses/{id}/cancel
+        }
         self.responses = ResponsesAPI(self.generation, ResponseStore(config.responses_store_size))
         self.messages = MessagesAPI(self.generation)
         edge = Edge(self._read_body, self._decode, self._admitted, self._check_model, self._respond)
         pooling = PoolingAPI(edge, self.generation, config.served_model_name)
         self._routes.update(pooling.routes())
-        self._routes.update(TokenizeAPI(edge, self.generation, self.admission.hold).routes())
+        tokenize = TokenizeAPI(
+            edge, self.generation, self.admission.hold, info=config.enable_tokenizer_info_endpoint
+        )
+        self._routes.update(tokenize.routes())
         if config.enable_runtime_lora_updating:
             lora = LoraRoutes(
                 llm, config.served_model_name, self._read_body, self._decode, self._respond
@@ -346,6 +356,30 @@ class App:
     ) -> None:
         body = self.responses.store.delete(scope["path"][len(ITEM_PREFIX) :])
         await self._respond(send, 200, body, extra)
+
+    async def _invocations(
+        self, scope: Scope, receive: Receive, send: Send, extra: list[Any]
+    ) -> None:
+        body = await self._read_body(scope, receive)
+        handler = self._routes.get(("POST", invocation_route(body)))
+        if handler is None:
+            raise not_found("route for this /invocations body (this server serves no embeddings)")
+        await handler(scope, replayed(body, receive), send, extra)
+
+    async def _cancel_response(
+        self, scope: Scope, receive: Receive, send: Send, extra: list[Any]
+    ) -> None:
+        response_id, _, rest = scope["path"][len(ITEM_PREFIX) :].partition("/")
+        if rest != "cancel":
+            raise RequestError(405, f"method POST is not allowed on {scope['path']}")
+        body = await self.responses.background.cancel(response_id)
+        await self._respond(send, 200, body, extra)
+
+    async def run_background(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Own the background responses' runs (`background: true`) until cancelled."""
+        await self.responses.background.serve(task_status=task_status)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.served_model_name:

@@ -1,10 +1,11 @@
 """The small endpoints' bodies: `/v1/models` (and one model's), `/tokenize`, `/detokenize`,
-`/version`."""
+`/version`, `/tokenizer_info`."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import msgspec
 
@@ -32,6 +33,7 @@ class TokenizeResponse(msgspec.Struct):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str] | None = None  # with return_token_strs (vLLM's)
 
 
 class DetokenizeResponse(msgspec.Struct):
@@ -83,8 +85,14 @@ def model_response(card: ModelCard) -> bytes:
     return _encoder.encode(card)
 
 
-def tokenize_response(tokens: list[int], *, max_model_len: int) -> bytes:
-    return _encoder.encode(TokenizeResponse(tokens, len(tokens), max_model_len))
+def tokenize_response(
+    tokens: list[int], *, max_model_len: int, token_strs: list[str] | None = None
+) -> bytes:
+    return _encoder.encode(TokenizeResponse(tokens, len(tokens), max_model_len, token_strs))
+
+
+def tokenizer_info_response(info: dict[str, Any]) -> bytes:
+    return _encoder.encode(info)
 
 
 def detokenize_response(prompt: str) -> bytes:

@@ -238,6 +238,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_special_tokens: bool | None = None  # None: True for a prompt, False for messages
     add_generation_prompt: bool = True  # messages: end with the assistant's turn opened
     chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False  # vLLM's: each id's token string too
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):

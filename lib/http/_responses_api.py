@@ -8,8 +8,10 @@ chat request's, so one grammar, one tool parser and one reasoning parser serve a
 (`Generation.plan_chat`). `_responses_face` names the output items and stream events.
 
 What the server cannot do is refused with a 400 naming the field, never ignored: built-in
-tools (`web_search`, `file_search`, ...), `background`, `conversation`, `prompt`, `truncation:
-auto`, `max_tool_calls`, `top_logprobs`, input images, files and audio, reasoning summaries.
+tools (`web_search`, `file_search`, ...), `conversation`, `prompt`, `truncation: auto`,
+`max_tool_calls`, input images, files and audio, reasoning summaries. `top_logprobs`, or
+`include: ["message.output_text.logprobs"]`, asks for the output text's logprobs (chat's
+`logprobs` and `top_logprobs`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from ._constraints import (
 from ._errors import RequestError, fields_renamed
 from ._generate import Generation
 from ._requests import ChatCompletionRequest, ChatMessage, MessageToolCall, ToolCallFunction
+from ._responses_background import BackgroundResponses, check_background, respond
+from ._responses_checks import LOGPROBS_INCLUDE, refuse_unserved
 from ._responses_face import ResponsesFace
 from ._responses_store import ResponseStore
 from ._turn_runner import run_turn
@@ -131,12 +135,17 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     service_tier: str | None = None
     include: list[str] | None = None
     truncation: str | None = None
-    # Defined by the API, not served here: a 400 when set (`refuse_unserved`).
+    top_logprobs: int | None = None
     background: bool | None = None
+    # Defined by the API, not served here: a 400 when set (`refuse_unserved`).
     conversation: Any = None
     prompt: Any = None
     max_tool_calls: int | None = None
-    top_logprobs: int | None = None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether the output text's parts carry logprobs (OpenAI: either asks for them)."""
+        return self.top_logprobs is not None or LOGPROBS_INCLUDE in (self.include or ())
 
 
 class ResponsesAPI:
@@ -145,13 +154,23 @@ class ResponsesAPI:
     def __init__(self, generation: Generation, store: ResponseStore) -> None:
         self.generation = generation
         self.store = store
+        self.background = BackgroundResponses(generation, store)
 
     async def create(
         self, request: ResponsesRequest, held: Held, receive: Any, send: Any, extra: list[Any]
     ) -> None:
         refuse_unserved(request, self.generation.llm.config.reasoning_parser)
+        if request.background:
+            check_background(request, self.store)
         history: list[ChatMessage] = []
         if request.previous_response_id is not None:
+            if self.background.is_running(request.previous_response_id):
+                raise RequestError(
+                    400,
+                    f"response {request.previous_response_id!r} is still in progress: continue "
+                    f"it once it has completed",
+                    param="previous_response_id",
+                )
             history = list(self.store.conversation(request.previous_response_id).messages)
         given = input_messages(request.input)
         system = [ChatMessage("system", request.instructions)] if request.instructions else []
@@ -159,7 +178,12 @@ class ResponsesAPI:
             chat = chat_request(request, system + history + given)
             plan = await self.generation.plan_chat(chat, held)
         store = self.store if request.store is not False and self.store.enabled else None
-        face = ResponsesFace(request, self.generation.config, store, history + given)
+        pieces = self.generation.llm.token_pieces if request.wants_logprobs else None
+        face = ResponsesFace(request, self.generation.config, store, history + given, pieces)
+        if request.background:
+            body = self.background.start(face, plan, held)
+            await respond(send, 200, body, extra)
+            return
         await run_turn(
             self.generation,
             plan,
@@ -169,75 +193,6 @@ class ResponsesAPI:
             send=send,
             extra=extra,
         )
-
-
-def refuse_unserved(request: ResponsesRequest, reasoning_parser: str | None) -> None:
-    """A 400 for each field this server defines no behaviour for, naming it.
-
-    Raises:
-        RequestError: 400 with `param` the field.
-    """
-    unserved = {
-        "background": request.background,
-        "conversation": request.conversation,
-        "prompt": request.prompt,
-        "max_tool_calls": request.max_tool_calls,
-        "top_logprobs": request.top_logprobs,
-    }
-    for name, value in unserved.items():
-        if value not in (None, False):
-            raise RequestError(400, f"{name} is not supported by this server", param=name)
-    if request.truncation not in (None, "disabled"):
-        raise RequestError(
-            400,
-            f"truncation {request.truncation!r} is not supported: trillm never drops input; send "
-            f"'disabled' and a shorter input",
-            param="truncation",
-        )
-    if request.service_tier not in (None, "auto", "default"):
-        raise RequestError(
-            400, f"service_tier {request.service_tier!r} is not served here", param="service_tier"
-        )
-    for i, include in enumerate(request.include or ()):
-        # Reasoning comes back as plain content (never encrypted), which serves the same end.
-        if include != "reasoning.encrypted_content":
-            raise RequestError(400, f"include {include!r} is not supported", param=f"include[{i}]")
-    if request.stream_options is not None and request.stream_options.include_obfuscation:
-        raise RequestError(
-            400,
-            "stream_options.include_obfuscation is not supported: send false",
-            param="stream_options.include_obfuscation",
-        )
-    if request.stream_options is not None and not request.stream:
-        raise RequestError(
-            400, "stream_options is only allowed when stream is true", param="stream_options"
-        )
-    if request.text is not None and request.text.verbosity not in (None, "medium"):
-        raise RequestError(
-            400,
-            f"text.verbosity {request.text.verbosity!r} is not supported (the model's own "
-            f"length is 'medium')",
-            param="text.verbosity",
-        )
-    reasoning = request.reasoning
-    if reasoning is not None:
-        if reasoning_parser is None:
-            raise RequestError(
-                400,
-                "reasoning needs a reasoning model: this server runs no --reasoning-parser",
-                param="reasoning",
-            )
-        for name in ("summary", "generate_summary"):
-            value = getattr(reasoning, name)
-            if value not in (None, "auto"):
-                raise RequestError(
-                    400,
-                    f"reasoning.{name} {value!r} is not supported: trillm returns the reasoning "
-                    f"text itself (send 'auto' or leave it out)",
-                    param=f"reasoning.{name}",
-                )
-    if request.input is None:
-        raise RequestError(400, "input is required", param="input")
 
 
 def input_messages(given: str | list[InputItem] | None) -> list[ChatMessage]:
@@ -347,6 +302,8 @@ def chat_request(request: ResponsesRequest, messages: list[ChatMessage]) -> Chat
         response_format=_format(request.text),
         # A template that reads reasoning_effort (gpt-oss's) renders it, as in vLLM.
         reasoning_effort=request.reasoning.effort if request.reasoning is not None else None,
+        logprobs=request.wants_logprobs,
+        top_logprobs=request.top_logprobs,
     )
 
 

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
+from ..engine.client import TokenLogprob
 from ._errors import RequestError
 from ._requests import ChatMessage, MessageToolCall, ToolCallFunction
+from ._responses import TokenText
+from ._responses import _chat_logprobs as chat_logprobs
 from ._responses_store import ResponseStore, StoredResponse
 from ._turn import Block, BlockEvent, TurnBlocks
 
@@ -36,9 +40,15 @@ class ResponsesFace:
     """One response: its id, the request's settings it echoes, its items' ids."""
 
     def __init__(
-        self, request: Any, config: Any, store: ResponseStore | None, messages: list[ChatMessage]
+        self,
+        request: Any,
+        config: Any,
+        store: ResponseStore | None,
+        messages: list[ChatMessage],
+        token_text: TokenText | None = None,
     ) -> None:
         self.request = request
+        self.token_text = token_text  # how logprobs name tokens, when the request asks
         self.model = config.served_model_name
         self.cached_details = config.enable_prompt_tokens_details
         self.store = store
@@ -52,6 +62,15 @@ class ResponsesFace:
 
     def whole(self, turn: TurnBlocks) -> bytes:
         body = _encode(self._response(turn, self._status(turn)))
+        self._keep(turn, body)
+        return body
+
+    def kept(self, turn: TurnBlocks, status: str, *, error: Any = None) -> bytes:
+        """The response as it stands with `status` (a background run's), stored."""
+        output: list[Any] | None = [] if status == "in_progress" else None
+        response = self._response(turn, status, output=output)
+        response["error"] = error
+        body = _encode(response)
         self._keep(turn, body)
         return body
 
@@ -111,7 +130,7 @@ class ResponsesFace:
                 **self._at(block),
                 content_index=0,
                 delta=event.delta,
-                logprobs=[],
+                logprobs=self._logprobs(event.logprobs),
             )
         # stop
         data = b""
@@ -137,7 +156,7 @@ class ResponsesFace:
                     **self._at(block),
                     content_index=0,
                     text=block.text,
-                    logprobs=[],
+                    logprobs=self._logprobs(block.logprobs),
                 )
             data += self._event(
                 "response.content_part.done",
@@ -187,7 +206,15 @@ class ResponsesFace:
         text = "" if empty else block.text
         if block.kind == "reasoning":
             return {"type": "reasoning_text", "text": text}
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        logprobs = [] if empty else self._logprobs(block.logprobs)
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+    def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> list[Any]:
+        """OpenAI's output_text logprobs: chat's (token, logprob, bytes, top_logprobs)."""
+        if self.token_text is None or not logprobs:
+            return []
+        chat = chat_logprobs(logprobs, self.token_text)
+        return msgspec.to_builtins(chat.content) if chat is not None else []
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         body = {"type": kind, "sequence_number": self._sequence, **fields}
@@ -234,6 +261,7 @@ class ResponsesFace:
             "parallel_tool_calls": r.parallel_tool_calls is not False,
             "temperature": r.temperature,
             "top_p": r.top_p,
+            "top_logprobs": r.top_logprobs if r.top_logprobs is not None else 0,
             "max_output_tokens": r.max_output_tokens,
             "previous_response_id": r.previous_response_id,
             "reasoning": msgspec.to_builtins(r.reasoning) if r.reasoning is not None else None,
@@ -242,7 +270,7 @@ class ResponsesFace:
             "tools": msgspec.to_builtins(r.tools or []),
             "truncation": r.truncation or "disabled",
             "store": self.store is not None,
-            "background": False,
+            "background": bool(r.background),
             "service_tier": "default",
             "user": r.user,
             "safety_identifier": r.safety_identifier,

@@ -130,6 +130,11 @@ SERVE_FLAGS = {
         "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING); needs --enable-lora",
     ),
+    "enable_tokenizer_info_endpoint": Flag(
+        ("--enable-tokenizer-info-endpoint",),
+        "serve GET /tokenizer_info (vLLM's): the tokenizer's configuration, special tokens "
+        "and chat template",
+    ),
     "responses_store_size": Flag(
         ("--responses-store-size",),
         "responses the Responses API keeps in memory for GET /v1/responses/{id} and "
@@ -196,6 +201,7 @@ async def run_server(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_signals, app, shutdown, nursery.cancel_scope)
             nursery.start_soon(_exit_on_engine_death, app, config, nursery.cancel_scope)
+            await nursery.start(app.run_background)
             if llm.ready.kernels is not None:
                 print(f"trillm: {llm.ready.kernels.describe()}", file=sys.stderr, flush=True)
             print(

@@ -1,7 +1,10 @@
-"""`POST /tokenize` and `/detokenize` (vLLM's): a prompt or chat to ids, ids to text.
+"""`POST /tokenize` and `/detokenize` (vLLM's): a prompt or chat to ids, ids to text; and
+`GET /tokenizer_info` behind --enable-tokenizer-info-endpoint (vLLM's), the tokenizer's
+configuration.
 
-Both count toward --max-queued-requests (1 each) and run on the tokenizer threads: they hold
-a thread for as long as their input takes, and an unbounded input must not stall the loop.
+The POST routes count toward --max-queued-requests (1 each) and run on the tokenizer threads:
+they hold a thread for as long as their input takes, and an unbounded input must not stall the
+loop.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from ._schemas import (
     detokenize_response,
     template_kwargs,
     tokenize_response,
+    tokenizer_info_response,
 )
 
 Scope = dict[str, Any]
@@ -29,14 +33,23 @@ class TokenizeAPI:
     `hold` admits at weight 1 without the generation checks (`Admission.hold`): a server
     that is draining or whose engine died can still tokenise."""
 
-    def __init__(self, edge: Edge, generation: Any, hold: Callable[[], Any]) -> None:
+    def __init__(
+        self, edge: Edge, generation: Any, hold: Callable[[], Any], *, info: bool = False
+    ) -> None:
         self.edge = edge
         self.generation = generation
         self.llm = generation.llm
         self.hold = hold
+        self.info = info  # serve GET /tokenizer_info
 
     def routes(self) -> dict[tuple[str, str], Callable[..., Awaitable[None]]]:
-        return {("POST", "/tokenize"): self.tokenize, ("POST", "/detokenize"): self.detokenize}
+        routes: dict[tuple[str, str], Callable[..., Awaitable[None]]] = {
+            ("POST", "/tokenize"): self.tokenize,
+            ("POST", "/detokenize"): self.detokenize,
+        }
+        if self.info:
+            routes[("GET", "/tokenizer_info")] = self.tokenizer_info
+        return routes
 
     async def tokenize(self, scope: Scope, receive: Any, send: Send, extra: list[Any]) -> None:
         body = await self.edge.read_body(scope, receive)
@@ -54,7 +67,13 @@ class TokenizeAPI:
                 tokens = await self.generation.inputs.offload.run(
                     len(prompt), self._tokenized, prompt, special
                 )
-            answer = tokenize_response(tokens, max_model_len=self.llm.max_model_len)
+            strs = None
+            if request.return_token_strs:
+                convert = self.llm.tokenizer.convert_ids_to_tokens
+                strs = await self.generation.inputs.offload.run(len(tokens), convert, tokens)
+            answer = tokenize_response(
+                tokens, max_model_len=self.llm.max_model_len, token_strs=strs
+            )
         await self.edge.respond(send, 200, answer, extra)
 
     def _tokenized(self, prompt: str, add_special_tokens: bool) -> list[int]:
@@ -71,6 +90,12 @@ class TokenizeAPI:
             text = await self.generation.inputs.offload.run(len(tokens), self._detokenized, tokens)
         await self.edge.respond(send, 200, detokenize_response(text), extra)
 
+    async def tokenizer_info(
+        self, scope: Scope, receive: Any, send: Send, extra: list[Any]
+    ) -> None:
+        info = tokenizer_info(self.llm.tokenizer, self.llm.chat_template)
+        await self.edge.respond(send, 200, tokenizer_info_response(info), extra)
+
     def _detokenized(self, tokens: list[int]) -> str:
         vocab = self.llm.ready.vocab_size
         bad = [t for t in tokens if not 0 <= t < vocab]
@@ -80,3 +105,32 @@ class TokenizeAPI:
             )
         text: str = self.llm.tokenizer.decode(tokens)
         return text
+
+
+# The server's own file paths: a key holder learns nothing of its disk.
+_PATH_FIELDS = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")
+
+
+def tokenizer_info(tokenizer: Any, chat_template: str | None) -> dict[str, Any]:
+    """vLLM's `TokenizerInfo`: the tokenizer's init arguments (special tokens as their text),
+    less file paths, with its class and the chat template requests render with."""
+    config = {k: _plain(v) for k, v in (tokenizer.init_kwargs or {}).items()}
+    for name in _PATH_FIELDS:
+        config.pop(name, None)
+    config["tokenizer_class"] = type(tokenizer).__name__
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    return config
+
+
+def _plain(value: Any) -> Any:
+    """`value` as JSON can hold it: an added token as its text, keys as strings."""
+    if hasattr(value, "content"):  # tokenizers' AddedToken
+        return str(value.content)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)

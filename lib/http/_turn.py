@@ -14,10 +14,11 @@ its block closes, and the text that follows a call is content of a later block.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..engine.client import Output
+from ..engine.client import Output, TokenLogprob
 from ._chat_output import ChatOutputParser
 from ._tools import ToolCall
 
@@ -37,6 +38,8 @@ class Block:
     text: str = ""
     call: ToolCall | None = None
     complete: bool = True
+    # a text block's tokens' logprobs, when asked: those of each output that grew it
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class BlockEvent:
     kind: Literal["start", "delta", "stop"]
     block: Block
     delta: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()  # a text delta's tokens', when asked
 
 
 @dataclass
@@ -69,6 +73,7 @@ class TurnBlocks:
     stop_reason: str | int | None = None
     _open: Block | None = None
     _calls_seen: int = 0
+    _held_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def feed(self, output: Output) -> list[BlockEvent]:
         """The events for `output` (one engine output of the turn's only choice)."""
@@ -85,8 +90,14 @@ class TurnBlocks:
         events: list[BlockEvent] = []
         if parts.reasoning:
             events += self._grow("reasoning", parts.reasoning)
+        # The parser may hold text back (a possible tool call, a stop string): the tokens
+        # of an output that showed nothing go with the text that shows next.
+        logprobs = self._held_logprobs + (output.logprobs or [])
+        self._held_logprobs = []
         if parts.content:
-            events += self._grow("text", parts.content)
+            events += self._grow("text", parts.content, logprobs)
+        elif not (parts.reasoning or parts.tool_calls):
+            self._held_logprobs = logprobs
         for call in self.parser.tool_calls[self._calls_seen :]:
             events += self._close()
             block = Block("tool_call", len(self.blocks), call=call, complete=call.complete)
@@ -111,7 +122,9 @@ class TurnBlocks:
         """The turn's text blocks joined (the Responses API's `output_text`)."""
         return "".join(b.text for b in self.blocks if b.kind == "text")
 
-    def _grow(self, kind: BlockKind, text: str) -> list[BlockEvent]:
+    def _grow(
+        self, kind: BlockKind, text: str, logprobs: Sequence[TokenLogprob] = ()
+    ) -> list[BlockEvent]:
         events: list[BlockEvent] = []
         block = self._open
         if block is None or block.kind != kind:
@@ -120,7 +133,8 @@ class TurnBlocks:
             self.blocks.append(block)
             events.append(BlockEvent("start", block))
         block.text += text
-        events.append(BlockEvent("delta", block, text))
+        block.logprobs += logprobs
+        events.append(BlockEvent("delta", block, text, tuple(logprobs)))
         return events
 
     def _close(self) -> list[BlockEvent]:

@@ -142,3 +142,6 @@ async def _generate(
     finally:  # a disconnect, a slow reader, a shutdown or an error ended it
         if not finished:
             generation.metrics.count_aborted(1)
+
+
+feed_turn = _generate  # a background response's run (`_responses_background`) feeds its turn

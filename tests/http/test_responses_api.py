@@ -206,9 +206,10 @@ def test_stored_responses_are_got_deleted_and_evicted(server: Server) -> None:
     ("fields", "param"),
     [
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-        ({"background": True}, "background"),
+        ({"background": True, "store": False}, "store"),  # a background response is stored
         ({"truncation": "auto"}, "truncation"),
-        ({"include": ["message.output_text.logprobs"]}, "include[0]"),
+        ({"include": ["message.output_text.logprobs", "web_search_call.results"]},
+         "include[1]"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),  # the server runs no reasoning parser
         ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
         ({"max_output_tokens": -1}, "max_output_tokens"),

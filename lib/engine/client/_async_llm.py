@@ -350,6 +350,12 @@ class AsyncLLM:
         return self._inputs.chat_ids(text)
 
     @property
+    def chat_template(self) -> str | None:
+        """The chat template requests render with: --chat-template's, else the tokenizer's."""
+        template: str | None = self._chat_template or self.tokenizer.chat_template
+        return template
+
+    @property
     def template_reads_tools(self) -> bool:
         """Whether the chat template renders `tools` (else callers describe them)."""
         template = self._chat_template or self.tokenizer.chat_template or ""
