@@ -33,6 +33,7 @@ from ._metrics import Metrics
 from ._offload import Offload
 from ._request_scope import RequestScope, RequestTiming, bind, run_all
 from ._tools import DEFAULT_TOOL_PROMPT
+from ._vllm_extras import Extras
 
 log = logging.getLogger("trillm.http")
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -96,10 +97,8 @@ class Generation:
             prompts, params, data_parallel_rank=rank, lora_name=lora
         )
         echo = await self.inputs.echo(prepared, request)
-        if request.stream:
-            await self._stream(prepared, request, "completion", receive, send, extra, echo)
-        else:
-            await self._whole(prepared, request, "completion", receive, send, extra, echo)
+        run = self._stream if request.stream else self._whole
+        await run(prepared, request, "completion", receive, send, extra, echo)
 
     async def chat(
         self,
@@ -110,14 +109,8 @@ class Generation:
         held: Held,
     ) -> None:
         plan = await self.plan_chat(request, held)
-        if request.stream:
-            await self._stream(
-                plan.prepared, request, "chat", receive, send, extra, None, plan.parser
-            )
-        else:
-            await self._whole(
-                plan.prepared, request, "chat", receive, send, extra, None, plan.parser
-            )
+        run = self._stream if request.stream else self._whole
+        await run(plan.prepared, request, "chat", receive, send, extra, None, plan.parser)
 
     async def plan_chat(self, request: S.ChatCompletionRequest, held: Held) -> ChatPlan:
         """A chat request checked whole and ready to run: its prompt rendered and prepared,
@@ -144,7 +137,12 @@ class Generation:
         tool_prompt = L3.TOOL_PROMPT if tool_format == "llama3_json" else DEFAULT_TOOL_PROMPT
         variables = S.template_kwargs(request.chat_template_kwargs, request.reasoning_effort)
         prompt = await self.inputs.chat_prompt(
-            request.messages, functions, tool_prompt, variables=variables
+            request.messages,
+            functions,
+            tool_prompt,
+            add_generation_prompt=request.add_generation_prompt is not False,
+            continue_final_message=bool(request.continue_final_message),
+            variables=variables,
         )
         rank, lora = request.data_parallel_rank, self.adapter_of(request.model)
         prepared = await self.inputs.prompts(
@@ -205,6 +203,7 @@ class Generation:
                 token_text=self._token_text(request),
                 echo=echo,
                 prompt_tokens_details=self.config.enable_prompt_tokens_details,
+                extras=Extras.of(request, prompts),
             )
         else:
             body = S.chat_completion_response(
@@ -214,6 +213,7 @@ class Generation:
                 token_text=self._token_text(request),
                 parser=parser,
                 prompt_tokens_details=self.config.enable_prompt_tokens_details,
+                extras=Extras.of(request, prompts),
             )
         with trio.move_on_after(self.last_write_timeout()):
             await send({"type": "http.response.start", "status": 200, "headers": JSON + extra})
@@ -264,6 +264,7 @@ class Generation:
             echo=echo,
             parser=parser,
             prompt_tokens_details=self.config.enable_prompt_tokens_details,
+            extras=Extras.of(request, prompts),
         )
         lock = trio.Lock()
         started = time.monotonic()

@@ -115,10 +115,12 @@ class Inputs:
         tool_prompt: str = DEFAULT_TOOL_PROMPT,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         variables: dict[str, Any] | None = None,
     ) -> list[int]:
         """The chat template over `messages` (and `functions`), as token ids; `variables`
-        (chat_template_kwargs, a reasoning effort) are the template's to read.
+        (chat_template_kwargs, a reasoning effort) are the template's to read;
+        `continue_final_message` leaves the final message open (vLLM's and Hugging Face's).
 
         Raises:
             RequestError: 400: more messages than the model has positions (each message
@@ -141,7 +143,11 @@ class Inputs:
                 S.chat_template_messages(messages), functions, reads_tools, tool_prompt
             )
             ids: list[int] = self.llm.apply_chat_template(
-                rendered, tools, add_generation_prompt=add_generation_prompt, variables=variables
+                rendered,
+                tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                variables=variables,
             )
             return ids
 

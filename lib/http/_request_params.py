@@ -29,11 +29,16 @@ def to_sampling_params(
     0) alternatives. Completions: `logprobs` is the top count; with `echo`, the prompt's
     logprobs are asked for too.
 
+    `prompt_logprobs` (vLLM's) asks for the prompt's logprobs whatever `echo` says, and sets
+    their top count (an echo's too).
+
     Raises:
         RequestError: 400 with `param` the field the client sent (a value out of range, a
             logit_bias key that is not an integer, a token id outside the vocabulary,
-            top_logprobs without logprobs).
+            top_logprobs without logprobs, a field trillm does not serve:
+            `refuse_unserved`).
     """
+    refuse_unserved(request)
     renames: dict[str, str]
     if isinstance(request, ChatCompletionRequest):
         max_tokens, renames = request.max_tokens, {"logprobs": "top_logprobs"}
@@ -48,11 +53,13 @@ def to_sampling_params(
                 param="top_logprobs",
             )
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        prompt_logprobs = None
+        prompt_logprobs = request.prompt_logprobs
     else:
-        max_tokens, renames = request.max_tokens, {"prompt_logprobs": "logprobs"}
+        max_tokens, renames = request.max_tokens, {}
         logprobs = request.logprobs
-        prompt_logprobs = logprobs if request.echo else None
+        prompt_logprobs = request.prompt_logprobs
+        if prompt_logprobs is None and request.echo:
+            prompt_logprobs, renames["prompt_logprobs"] = logprobs, "logprobs"
     d = _DEFAULTS
     structured = constraint(
         structured_outputs=request.structured_outputs,
@@ -97,6 +104,80 @@ def to_sampling_params(
         if param != err.field and message.startswith(err.field):
             message = param + message[len(err.field) :]
         raise RequestError(400, message, param=param) from err
+
+
+def refuse_unserved(request: CompletionRequest | ChatCompletionRequest) -> None:
+    """Refuse, naming it, each field that would otherwise be accepted and do nothing.
+
+    Beam search is not served (trillm samples each choice on its own): `use_beam_search`
+    true is a 400, and so is a `best_of` other than `n` (the best of more candidates than
+    are returned is beam-like search too). `prompt_logprobs` -1 (the whole vocabulary at
+    every position) is refused, and prompt logprobs in a stream, as vLLM refuses them.
+
+    Raises:
+        RequestError: 400 whose `param` is the field.
+    """
+    if request.use_beam_search:
+        raise RequestError(
+            400,
+            "use_beam_search is not supported: trillm samples each choice independently; "
+            "send n (and a seed for reproducible choices) instead",
+            param="use_beam_search",
+        )
+    n = _or(request.n, 1)
+    if request.best_of is not None and request.best_of != n:
+        raise RequestError(
+            400,
+            f"best_of is not supported except equal to n ({n}), got {request.best_of}: every "
+            f"choice sampled is returned; send n instead",
+            param="best_of",
+        )
+    if request.prompt_logprobs == -1:
+        raise RequestError(
+            400,
+            "prompt_logprobs -1 (the whole vocabulary at every position) is not supported: "
+            "ask for a top count from 0 to 20",
+            param="prompt_logprobs",
+        )
+    if request.prompt_logprobs is not None and request.stream:
+        raise RequestError(
+            400,
+            "prompt_logprobs is not available when stream is true: send it without streaming",
+            param="prompt_logprobs",
+        )
+    if isinstance(request, ChatCompletionRequest):
+        _refuse_unserved_chat(request)
+    elif request.return_token_ids and request.prompt_embeds is not None:
+        raise RequestError(
+            400,
+            "return_token_ids cannot show a prompt sent as prompt_embeds: it has no token ids",
+            param="return_token_ids",
+        )
+
+
+def _refuse_unserved_chat(request: ChatCompletionRequest) -> None:
+    final = request.messages[-1].role
+    if request.continue_final_message and _or(request.add_generation_prompt, True):
+        raise RequestError(
+            400,
+            "continue_final_message and add_generation_prompt cannot both be true: set "
+            "add_generation_prompt to false to continue the final message",
+            param="continue_final_message",
+        )
+    if request.continue_final_message and final != "assistant":
+        raise RequestError(
+            400,
+            f"continue_final_message continues a final assistant message, but the last "
+            f"message is the {final}'s",
+            param="continue_final_message",
+        )
+    if request.echo and final != "assistant":
+        raise RequestError(
+            400,
+            f"echo repeats a final assistant message before the reply, but the last message "
+            f"is the {final}'s: end messages with the assistant's turn to continue",
+            param="echo",
+        )
 
 
 T = TypeVar("T")

@@ -28,6 +28,7 @@ S = TypeVar("S", bound=msgspec.Struct)
 
 class StreamOptions(msgspec.Struct, frozen=True):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: usage on every chunk
 
 
 # The parts of a conversation are untracked by the garbage collector (`gc=False`: decoded from
@@ -137,6 +138,13 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks shared only within one salt
     data_parallel_rank: int | None = None  # vLLM's: the engine to run on (`_rank`)
     thinking_token_budget: int | None = None  # vLLM's: reasoning tokens at most (a grammar)
+    # vLLM's, checked in `_request_params.refuse_unserved`: the prompt's logprobs (top k per
+    # position); the prompt's and each choice's token ids in the response; beam search and
+    # best_of, which are refused (400) unless they ask for nothing beyond `n`.
+    prompt_logprobs: int | None = None
+    return_token_ids: bool | None = False
+    use_beam_search: bool | None = False
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -148,6 +156,13 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk of a stream carries the usage so far (vLLM's
+        `continuous_usage_stats`, which here needs no `include_usage`)."""
+        options = self.stream_options
+        return bool(self.stream and options and options.continuous_usage_stats)
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -209,7 +224,12 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
-    """`POST /v1/chat/completions`. `max_completion_tokens` wins over `max_tokens`."""
+    """`POST /v1/chat/completions`. `max_completion_tokens` wins over `max_tokens`.
+
+    vLLM's: `add_generation_prompt` false renders no opened assistant turn;
+    `continue_final_message` renders the final (assistant) message open, to be continued;
+    `echo` starts each choice's content with that final assistant message's text.
+    """
 
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_tokens: int | None = None  # None: up to the model's maximum length
@@ -223,6 +243,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     # and OpenAI's reasoning_effort, which a template that reads it (gpt-oss's) renders.
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    echo: bool | None = False
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

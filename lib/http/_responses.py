@@ -19,6 +19,7 @@ from ._chat_output import ChatOutputParser, ChatParts
 from ._usage import Usage as Usage
 from ._usage import usage as usage
 from ._usage import usage_of as usage_of
+from ._vllm_extras import Extras, PromptLogprobs, add_chat_extras, add_completion_extras
 
 
 class TokenText(Protocol):
@@ -75,6 +76,10 @@ class CompletionChoice(msgspec.Struct):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: str | int | None = None
+    # vLLM's, when asked (`_vllm_extras`)
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class Completion(msgspec.Struct):
@@ -130,6 +135,7 @@ class ChatChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None
     finish_reason: str | None
     stop_reason: str | int | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # vLLM's, when asked
 
 
 class ChatDelta(msgspec.Struct):
@@ -146,6 +152,7 @@ class ChatChunkChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None
     finish_reason: str | None
     stop_reason: str | int | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # vLLM's, when asked
 
 
 class ChatCompletion(msgspec.Struct):
@@ -155,6 +162,9 @@ class ChatCompletion(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
+    # vLLM's, when asked (`_vllm_extras`)
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -164,6 +174,7 @@ class ChatCompletionChunk(msgspec.Struct):
     choices: list[ChatChunkChoice]
     usage: Usage | msgspec.UnsetType | None = msgspec.UNSET  # null until the usage chunk
     object: str = "chat.completion.chunk"
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # vLLM's: first chunk
 
 
 _encoder = msgspec.json.Encoder()
@@ -182,6 +193,7 @@ def completion_response(
     token_text: TokenText,
     echo: Sequence[EchoPrompt] | None = None,
     prompt_tokens_details: bool = False,
+    extras: Extras | None = None,
 ) -> bytes:
     """A `text_completion`: one choice per output (index `output.index`), and the usage.
 
@@ -191,10 +203,13 @@ def completion_response(
         n: choices per prompt.
         echo: the prompts (in batch order), to prepend when the request set `echo`.
         prompt_tokens_details: report the prefix-cache hits (`cached_tokens`).
+        extras: vLLM's fields the request asked for (`_vllm_extras`).
     """
     choices = [
         _completion_choice(o, token_text, echo[o.index // n] if echo else None, 0) for o in outputs
     ]
+    if extras is not None:
+        add_completion_extras(choices, outputs, extras, n, token_text)
     used = usage_of(outputs, n=n, prompt_tokens_details=prompt_tokens_details)
     body = Completion(meta.id, meta.created, meta.model, choices, used)
     return _encoder.encode(body)
@@ -208,6 +223,9 @@ def completion_chunk(
     text_offset: int = 0,
     echo: EchoPrompt | None = None,
     include_usage: bool = False,
+    token_ids: list[int] | None = None,
+    prompt_token_ids: list[int] | None = None,
+    usage: Usage | None = None,
 ) -> bytes:
     """One streamed `text_completion` chunk with the new text of one choice.
 
@@ -216,9 +234,17 @@ def completion_chunk(
             continue from it).
         echo: the prompt, on the choice's first chunk only, when the request set `echo`.
         include_usage: the stream ends with a usage chunk, so this one says `"usage": null`.
+        token_ids, prompt_token_ids, usage: vLLM's, when asked: the new token ids, the
+            prompt's (a choice's first chunk), the choice's usage so far.
     """
     choice = _completion_choice(output, token_text, echo, text_offset)
+    if token_ids is not None:
+        choice.token_ids = token_ids
+    if prompt_token_ids is not None:
+        choice.prompt_token_ids = prompt_token_ids
     usage_field: Usage | msgspec.UnsetType | None = None if include_usage else msgspec.UNSET
+    if usage is not None:
+        usage_field = usage
     return _encoder.encode(Completion(meta.id, meta.created, meta.model, [choice], usage_field))
 
 
@@ -235,10 +261,12 @@ def chat_completion_response(
     token_text: TokenText,
     parser: Callable[[], ChatOutputParser] | None = None,
     prompt_tokens_details: bool = False,
+    extras: Extras | None = None,
 ) -> bytes:
     """A `chat.completion`: one assistant message per output (index `output.index`);
     `parser` makes each choice's reasoning / tool-call parser, when the request needs one;
-    the usage reports the prefix-cache hits with `prompt_tokens_details`."""
+    the usage reports the prefix-cache hits with `prompt_tokens_details`; `extras` are
+    vLLM's fields the request asked for (`_vllm_extras`)."""
     choices = []
     for o in outputs:
         message, finish = ChatResponseMessage(o.text), o.finish_reason
@@ -251,6 +279,8 @@ def chat_completion_response(
         )
     used = usage_of(outputs, n=n, prompt_tokens_details=prompt_tokens_details)
     body = ChatCompletion(meta.id, meta.created, meta.model, choices, used)
+    if extras is not None:
+        add_chat_extras(body, outputs, extras, n, token_text)
     return _encoder.encode(body)
 
 
@@ -263,6 +293,9 @@ def chat_completion_chunk(
     include_usage: bool = False,
     parts: ChatParts | None = None,
     finish_reason: str | None = None,
+    token_ids: list[int] | None = None,
+    prompt_token_ids: list[int] | None = None,
+    usage: Usage | None = None,
 ) -> bytes:
     """One `chat.completion.chunk` with the new text of one choice.
 
@@ -271,6 +304,8 @@ def chat_completion_chunk(
             even if empty (OpenAI's first chunk is `{"role": "assistant", "content": ""}`).
             Later deltas without text are `{}`.
         include_usage: the stream ends with a usage chunk, so this one says `"usage": null`.
+        token_ids, prompt_token_ids, usage: vLLM's, when asked: the new token ids, the
+            prompt's (the first chunk), the choice's usage so far.
     """
     content = output.text if parts is None else parts.content
     delta = ChatDelta(
@@ -290,7 +325,13 @@ def chat_completion_chunk(
         output.stop_reason,
     )
     usage_field: Usage | msgspec.UnsetType | None = None if include_usage else msgspec.UNSET
+    if usage is not None:
+        usage_field = usage
     body = ChatCompletionChunk(meta.id, meta.created, meta.model, [choice], usage_field)
+    if token_ids is not None:
+        choice.token_ids = token_ids
+    if prompt_token_ids is not None:
+        body.prompt_token_ids = prompt_token_ids
     return _encoder.encode(body)
 
 

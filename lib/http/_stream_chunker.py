@@ -19,6 +19,7 @@ from ._responses import (
     tool_calls_finish,
     usage_of,
 )
+from ._vllm_extras import Extras, chunk_usage
 
 
 class StreamChunker:
@@ -28,7 +29,8 @@ class StreamChunker:
     (chat's role chunk, completions' echo), each choice's text offset (logprobs), and the
     token counts for the final usage chunk. An echoed prompt waits for the choice's first
     token, so that all of the prompt's logprobs (which arrive in pieces, one per prefill
-    chunk) are in its first chunk.
+    chunk) are in its first chunk. vLLM's `extras`: token ids a chunk did not show (text
+    held back) go with the next one; chat's echo is the role chunk's content.
     """
 
     def __init__(
@@ -42,6 +44,7 @@ class StreamChunker:
         echo: Sequence[EchoPrompt] | None = None,
         parser: Callable[[], ChatOutputParser] | None = None,
         prompt_tokens_details: bool = False,
+        extras: Extras | None = None,
     ) -> None:
         self.meta, self.chat, self.n = meta, chat, n
         self.prompt_tokens_details = prompt_tokens_details  # report cached_tokens
@@ -53,6 +56,8 @@ class StreamChunker:
         self._offsets: dict[int, int] = {}  # choice -> text streamed so far (started choices)
         self._held: dict[int, list[TokenLogprob | None]] = {}  # echo: prompt logprobs so far
         self._last: dict[int, Output] = {}  # choice -> a summary of its counts
+        self.extras = extras or Extras()
+        self._unsent_ids: dict[int, list[int]] = {}  # return_token_ids: not in a chunk yet
 
     def chunks(self, output: Output) -> list[bytes]:
         """The chunks to send for `output`, in order; often one.
@@ -62,10 +67,18 @@ class StreamChunker:
         """
         self._count(output)
         index, started = output.index, output.index in self._offsets
+        ids = self._unsent_ids.pop(index, []) + output.token_ids
         if not (output.text or output.logprobs or output.finished):
             if self.echo and not started and output.prompt_logprobs:
                 self._held.setdefault(index, []).extend(output.prompt_logprobs)
+            self._unsent_ids[index] = ids
             return []
+        extras = self.extras
+        token_ids = ids if extras.return_token_ids else None
+        usage_so_far = chunk_usage(self._last.get(index)) if extras.continuous_usage else None
+        prompt_ids = None
+        if extras.return_token_ids and not started:
+            prompt_ids = list(extras.prompt_token_ids[index // self.n])
         offset = self._offsets.get(index, 0)
         self._offsets[index] = offset + len(output.text)
         usage, text_of = self.include_usage, self.token_text
@@ -82,6 +95,7 @@ class StreamChunker:
                 elif not (parts.content or parts.reasoning or parts.tool_calls or output.logprobs):
                     if not started:  # the role chunk still comes first, with the first text
                         del self._offsets[index]
+                    self._unsent_ids[index] = ids
                     return []  # all held back (a tag may be starting)
             chunk = chat_completion_chunk(
                 self.meta,
@@ -90,15 +104,19 @@ class StreamChunker:
                 include_usage=usage,
                 parts=parts,
                 finish_reason=finish,
+                token_ids=token_ids,
+                usage=usage_so_far,
             )
             if started:
                 return [chunk]
             role = chat_completion_chunk(
                 self.meta,
-                Output(index, "", []),
+                Output(index, extras.echo, []),
                 token_text=text_of,
                 first=True,
                 include_usage=usage,
+                prompt_token_ids=prompt_ids,
+                usage=usage_so_far,
             )
             return [role, chunk]
         echo = None if started or not self.echo else self.echo[index // self.n]
@@ -116,6 +134,9 @@ class StreamChunker:
             text_offset=offset,
             echo=echo,
             include_usage=usage,
+            token_ids=token_ids,
+            prompt_token_ids=prompt_ids,
+            usage=usage_so_far,
         )
         return [chunk]
 

@@ -334,18 +334,25 @@ class AsyncLLM:
         tools: list[dict[str, Any]] | None = None,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         variables: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """The chat template (`LLMConfig.chat_template`, else the model's) over `messages`,
-        ready for a reply (unless `add_generation_prompt` is false), as token ids; `tools` go
-        to a template that reads them, `variables` (chat_template_kwargs) to the template.
+        ready for a reply (unless `add_generation_prompt` is false; with
+        `continue_final_message`, the final message left open to be continued), as token ids;
+        `tools` go to a template that reads them, `variables` (chat_template_kwargs) to the
+        template.
 
         Raises:
             ChatTemplateError: the model has no chat template, or it refused the messages
                 (Gemma 2's "System role not supported") or failed on them.
         """
         text = self._inputs.render_chat(
-            messages, tools, add_generation_prompt=add_generation_prompt, variables=variables
+            messages,
+            tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            variables=variables,
         )
         return self._inputs.chat_ids(text)
 

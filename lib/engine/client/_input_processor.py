@@ -136,11 +136,13 @@ class InputProcessor:
         tools: list[dict[str, Any]] | None = None,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         variables: Mapping[str, Any] | None = None,
     ) -> str:
         """The chat template over `messages`, ready for the assistant's reply (unless
-        `add_generation_prompt` is false), as text; `tools` go to a template that reads them,
-        `variables` (a request's chat_template_kwargs) are the template's to read.
+        `add_generation_prompt` is false; `continue_final_message` leaves the final message
+        open, as Hugging Face's template call does), as text; `tools` go to a template that
+        reads them, `variables` (a request's chat_template_kwargs) are the template's to read.
 
         Raises:
             ChatTemplateError: the model has no chat template, or the template refused the
@@ -159,6 +161,7 @@ class InputProcessor:
                 chat_template=self._chat_template,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 **(variables or {}),
             )
         except Exception as exc:
