@@ -171,13 +171,6 @@ def _refuse_unserved_chat(request: ChatCompletionRequest) -> None:
             f"message is the {final}'s",
             param="continue_final_message",
         )
-    if request.echo and final != "assistant":
-        raise RequestError(
-            400,
-            f"echo repeats a final assistant message before the reply, but the last message "
-            f"is the {final}'s: end messages with the assistant's turn to continue",
-            param="echo",
-        )
 
 
 T = TypeVar("T")

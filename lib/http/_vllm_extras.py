@@ -62,8 +62,11 @@ class Extras:
     def of(cls, request: Any, prepared: Sequence[PreparedRequest]) -> Extras:
         """The extras `request` (completions or chat) asks for, its prompts `prepared`."""
         echo = ""
-        if getattr(request, "messages", None) is not None and request.echo:
-            echo = request.messages[-1].text  # an assistant's (`refuse_unserved`)
+        messages = getattr(request, "messages", None)
+        # vLLM's echo: the final message, when it is the role of the reply (the assistant's);
+        # after a user's message there is nothing of the reply's to repeat, and none is
+        if messages is not None and request.echo and messages[-1].role == "assistant":
+            echo = messages[-1].text
         return cls(
             return_token_ids=bool(request.return_token_ids),
             prompt_logprobs=request.prompt_logprobs is not None,
