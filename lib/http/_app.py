@@ -27,6 +27,7 @@ from ..engine.client import AsyncLLM, EngineDeadError
 from ._admission import Admission, Held
 from ._anthropic import MessagesAPI, anthropic_error_body
 from ._anthropic_schema import CountTokensRequest, MessagesRequest
+from ._chat_batch import ChatBatch
 from ._dev_endpoints import DevEndpoints
 from ._errors import (
     RequestError,
@@ -129,6 +130,13 @@ class App:
             ("POST", "/v1/messages/count_tokens"): self._count_tokens,
             ("POST", "/invocations"): self._invocations,
         }
+        batch = ChatBatch(
+            self._chat,
+            self._read_body,
+            self._respond,
+            max_conversations=config.max_prompts_per_request,
+        )
+        self._routes[("POST", "/v1/chat/completions/batch")] = batch.handle
         self._item_routes = {
             "GET": self._get_response,
             "DELETE": self._delete_response,

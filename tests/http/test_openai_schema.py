@@ -249,7 +249,12 @@ ERRORS = [
     ("POST", "/v1/chat/completions", {**CHAT, "model": "gpt-4"}, 404),
     ("POST", "/v1/completions", {**PROMPT, "max_tokens": -1}, 400),
     ("POST", "/v1/embeddings", {"model": "tiny", "input": []}, 400),
-    ("POST", "/v1/responses", {"model": "tiny", "input": "x", "background": True}, 400),
+    (
+        "POST",
+        "/v1/responses",
+        {"model": "tiny", "input": "x", "background": True, "store": False},
+        400,
+    ),
     ("GET", "/v1/responses/resp_nothing", None, 404),
 ]
 

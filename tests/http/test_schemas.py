@@ -593,6 +593,7 @@ def test_the_small_responses() -> None:
         "tokens": [1, 2, 3],
         "count": 3,
         "max_model_len": 2048,
+        "token_strs": None,  # vLLM's: null unless return_token_strs
     }
     assert json.loads(detokenize_response("Hi")) == {"prompt": "Hi"}
     assert json.loads(version_response("0.1.0")) == {"version": "0.1.0"}
