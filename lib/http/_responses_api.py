@@ -250,6 +250,13 @@ def input_messages(given: str | list[InputItem] | None) -> list[ChatMessage]:
             output = _text(item.output, f"{where}.output")
             out.append(ChatMessage("tool", output, tool_call_id=item.call_id))
         elif kind == "reasoning":
+            if item.encrypted_content is not None:
+                raise RequestError(
+                    400,
+                    f"{where}.encrypted_content cannot be read here: trillm returns reasoning as "
+                    f"text, never encrypted; send the reasoning as the item's content or summary",
+                    param=f"{where}.encrypted_content",
+                )
             parts = [p.text or "" for p in (item.summary or ())]
             if isinstance(item.content, list):
                 parts = [p.text or "" for p in item.content] or parts

@@ -23,7 +23,7 @@ def refuse_unserved(request: Any, reasoning_parser: str | None) -> None:
         "max_tool_calls": request.max_tool_calls,
     }
     for name, value in unserved.items():
-        if value not in (None, False):
+        if value is not None:  # max_tool_calls 0 means no calls: refused too, never ignored
             raise RequestError(400, f"{name} is not supported by this server", param=name)
     if request.truncation not in (None, "disabled"):
         raise RequestError(

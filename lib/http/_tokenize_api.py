@@ -9,6 +9,7 @@ loop.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -55,12 +56,16 @@ class TokenizeAPI:
         body = await self.edge.read_body(scope, receive)
         with self.hold():
             request = await self.edge.decode(body, TokenizeRequest)
+            self.edge.check_model(request.model)
             if request.messages is not None:  # a chat template carries its own special tokens
                 tokens = await self.generation.inputs.chat_prompt(
                     request.messages,
                     add_generation_prompt=request.add_generation_prompt,
                     variables=template_kwargs(request.chat_template_kwargs),
                 )
+                if request.add_special_tokens:  # vLLM's: the tokenizer's on top of the template's
+                    before, after = self._special_tokens
+                    tokens = [*before, *tokens, *after]
             else:
                 special = request.add_special_tokens is not False
                 prompt = request.prompt or ""
@@ -76,6 +81,17 @@ class TokenizeAPI:
             )
         await self.edge.respond(send, 200, answer, extra)
 
+    @functools.cached_property
+    def _special_tokens(self) -> tuple[list[int], list[int]]:
+        """The ids the tokenizer puts before and after a text (BOS, EOS), found by tokenising
+        one text both ways: what `add_special_tokens` adds to a rendered template."""
+        plain = self._tokenized("a", False)
+        special = self._tokenized("a", True)
+        for start in range(len(special) - len(plain) + 1):
+            if special[start : start + len(plain)] == plain:
+                return special[:start], special[start + len(plain) :]
+        return [], []
+
     def _tokenized(self, prompt: str, add_special_tokens: bool) -> list[int]:
         ids: list[int] = self.llm.tokenizer(prompt, add_special_tokens=add_special_tokens)[
             "input_ids"
@@ -86,6 +102,7 @@ class TokenizeAPI:
         body = await self.edge.read_body(scope, receive)
         with self.hold():
             request = await self.edge.decode(body, DetokenizeRequest)
+            self.edge.check_model(request.model)
             tokens = request.tokens
             text = await self.generation.inputs.offload.run(len(tokens), self._detokenized, tokens)
         await self.edge.respond(send, 200, detokenize_response(text), extra)
