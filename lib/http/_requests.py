@@ -1,10 +1,10 @@
 """OpenAI's request bodies as msgspec Structs, and their mapping to `SamplingParams`.
 
-Requests decode straight into Structs with decoders built once; unknown fields are ignored,
-as OpenAI ignores them, and every field OpenAI documents as nullable accepts `null` (meaning
-its default). A body that does not decode is a 400 `RequestError` naming the field, and so
-is one that nests deeper than `MAX_JSON_DEPTH` (measured on its bytes before decoding, as is
-a tool call's `arguments` text). Range checks are the engine's (`SamplingParams`);
+Requests decode straight into Structs with decoders built once; unknown fields are ignored
+and logged, as vLLM does (`_unknown_fields`; OpenAI answers 400), and every field OpenAI
+documents as nullable accepts `null` (meaning its default). A body that does not decode is a
+400 `RequestError` naming the field, and so is one that nests deeper than `MAX_JSON_DEPTH`
+(measured on its bytes before decoding, as is a tool call's `arguments` text). Range checks are the engine's (`SamplingParams`);
 their mapping to `SamplingParams` is `_request_params.to_sampling_params`.
 """
 
@@ -22,6 +22,7 @@ from ..engine.client import (
 from ._constraints import ResponseFormat, Tool, ToolChoice
 from ._errors import RequestError
 from ._json_depth import MAX_JSON_DEPTH, nests_deeper
+from ._unknown_fields import log_unknown_fields
 
 S = TypeVar("S", bound=msgspec.Struct)
 
@@ -350,13 +351,15 @@ def decode_request(body: bytes, kind: type[S]) -> S:
     if nests_deeper(body, MAX_JSON_DEPTH):
         raise _too_deep()
     try:
-        return cast(S, decoder.decode(body))
+        request = cast(S, decoder.decode(body))
     except msgspec.ValidationError as err:  # (a DecodeError: catch it first)
         raise _validation_error(str(err)) from None
     except msgspec.DecodeError as err:
         raise RequestError(400, f"the body is not valid JSON: {err}") from None
     except RecursionError:  # not expected past the check above; never a 500 if it is
         raise _too_deep() from None
+    log_unknown_fields(body, kind)
+    return request
 
 
 def _too_deep() -> RequestError:

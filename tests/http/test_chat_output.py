@@ -94,3 +94,15 @@ def test_a_thinking_budget_closes_the_reasoning_at_its_count(
     assert accepts(
         grammar, start + ll_tokenizer.decode_str(words[:budget]) + "</think>\nok", ll_tokenizer
     )
+
+
+@pytest.mark.parametrize("mode", ["qwen3", "deepseek_r1"])
+def test_a_lark_grammar_applies_after_the_reasoning(mode: str, ll_tokenizer: object) -> None:
+    """A tool call's grammar is Lark text, not llguidance's JSON: it was a JSONDecodeError
+    (a 500) under a reasoning parser with tool_choice required or named."""
+    lark = 'start: call\ncall: "<tool_call>\\n" %json {"type": "object"} "\\n</tool_call>"\n'
+    grammar = after_reasoning(lark, mode)
+    start = "<think>" if mode == "qwen3" else ""
+    call = '<tool_call>\n{"a": 1}\n</tool_call>'
+    assert accepts(grammar, start + "a thought</think>\n" + call, ll_tokenizer)  # type: ignore[arg-type]
+    assert not accepts(grammar, start + "a thought</think>\nplain text", ll_tokenizer)  # type: ignore[arg-type]

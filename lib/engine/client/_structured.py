@@ -284,8 +284,13 @@ def after_reasoning(grammar: str, reasoning_parser: str, budget: int | None = No
     """`grammar` (llguidance's JSON form) applied only once the reasoning has ended: the mask
     allows any text until ``</think>``, then holds the output to `grammar`. With a `budget`
     (vLLM's thinking_token_budget), the reasoning ends after at most that many tokens: the
-    mask then allows only ``</think>``."""
-    inner = json.loads(grammar)["grammars"]
+    mask then allows only ``</think>``. `grammar` may also be a Lark grammar's text (the
+    tool calls' grammars, a `grammar` constraint in llguidance's Lark): it becomes the inner
+    grammar as it is (as JSON it was a 500 under a reasoning parser)."""
+    if grammar.lstrip().startswith("{"):
+        inner = json.loads(grammar)["grammars"]
+    else:
+        inner = [{"lark_grammar": grammar}]
     inner[0] = {**inner[0], "name": "inner"}
     if budget is None:
         lark = _REASONING_LARK[reasoning_parser] + "TEXT: /(.|\\n)*/\n"
