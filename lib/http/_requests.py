@@ -4,8 +4,9 @@ Requests decode straight into Structs with decoders built once; unknown fields a
 and logged, as vLLM does (`_unknown_fields`; OpenAI answers 400), and every field OpenAI
 documents as nullable accepts `null` (meaning its default). A body that does not decode is a
 400 `RequestError` naming the field, and so is one that nests deeper than `MAX_JSON_DEPTH`
-(measured on its bytes before decoding, as is a tool call's `arguments` text). Range checks are the engine's (`SamplingParams`);
-their mapping to `SamplingParams` is `_request_params.to_sampling_params`.
+(measured on its bytes before decoding, as is a tool call's `arguments` text). Range checks
+are the engine's (`SamplingParams`); their mapping to `SamplingParams` is
+`_request_params.to_sampling_params`.
 """
 
 from __future__ import annotations
