@@ -14,7 +14,7 @@ it is calls only (the format applies to the answer of a later turn).
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -23,9 +23,16 @@ from . import _tools as T
 from . import _tools_llama3 as L3
 from ._errors import RequestError
 
+# OpenAI's rule for a format's name (it answers 400 otherwise): a label, like a function's.
+FormatName = Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9_-]{1,64}$")]
+
 
 class JsonSchemaFormat(msgspec.Struct, frozen=True):
-    name: str = "response"
+    """`strict` false is served as true: the grammar holds the schema either way (a
+    non-strict request asks for the schema at best, and an output that follows it is one).
+    `name` and `description` are labels that vLLM, too, gives no other use."""
+
+    name: FormatName = "response"
     schema: dict[str, Any] | None = None
     strict: bool | None = None
     description: str | None = None
@@ -68,7 +75,9 @@ class FunctionDef(msgspec.Struct, frozen=True):
     def __post_init__(self) -> None:
         if not self.name or len(self.name) > 64:
             raise RequestError(
-                400, f"a function name must be 1 to 64 characters, got {self.name!r}", "tools"
+                400,
+                f"a function name must be 1 to 64 characters, got {self.name!r}",
+                param="tools",
             )
 
 
@@ -78,7 +87,7 @@ class Tool(msgspec.Struct, frozen=True):
 
     def __post_init__(self) -> None:
         if self.type != "function":
-            raise RequestError(400, f"tools of type {self.type!r} are not supported", "tools")
+            raise RequestError(400, f"tools of type {self.type!r} are not supported", param="tools")
 
 
 class NamedFunction(msgspec.Struct, frozen=True):
@@ -88,6 +97,14 @@ class NamedFunction(msgspec.Struct, frozen=True):
 class NamedToolChoice(msgspec.Struct, frozen=True):
     type: str
     function: NamedFunction
+
+    def __post_init__(self) -> None:
+        if self.type != "function":
+            raise RequestError(
+                400,
+                f"tool_choice names a tool of type {self.type!r}: only 'function' tools are served",
+                param="tool_choice.type",
+            )
 
 
 ToolChoice = str | NamedToolChoice
