@@ -22,6 +22,7 @@ import msgspec
 
 from ._admission import Held
 from ._constraints import (
+    FormatName,
     FunctionDef,
     JsonSchemaFormat,
     NamedFunction,
@@ -89,7 +90,7 @@ class ToolChoiceObject(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
 
 class TextFormat(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     type: str
-    name: str | None = None
+    name: FormatName | None = None  # OpenAI's rule, as chat's response_format
     schema: dict[str, Any] | None = None
     strict: bool | None = None
     description: str | None = None

@@ -80,6 +80,7 @@ class BackgroundResponses:
             )
         turn = TurnBlocks(plan.turn_parser())
         body = face.kept(turn, "in_progress")
+        self.store.pin(face.id)  # polled until it ends: never evicted meanwhile
         # The run takes over the request's share of the queue, which the request then frees
         # as nothing: it is counted once, from admission to the run's end.
         release = held.hand_over()
@@ -143,6 +144,7 @@ class BackgroundResponses:
             release()
             generation.inflight -= 1
             del self.running[face.id]
+            self.store.unpin(face.id)
             run.done.set()
 
 

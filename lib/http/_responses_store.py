@@ -127,6 +127,9 @@ class ResponseStore:
         self.size, self.max_bytes = size, max_bytes
         self._entries: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()
         self._bytes = 0  # the sum of the entries' `entry_bytes`
+        # Background responses in progress (`pin`): never evicted, or a poll would 404 while
+        # the run goes on; at most --responses-store-size of them run at once.
+        self._pinned: set[str] = set()
 
     @property
     def enabled(self) -> bool:
@@ -141,17 +144,32 @@ class ResponseStore:
         return self._bytes
 
     def put(self, response_id: str, stored: StoredResponse) -> None:
-        """Keep `stored`; the least recently used go while a bound is passed."""
+        """Keep `stored`; the least recently used go while a bound is passed (never one
+        pinned, nor `stored` itself: the bounds hold again once the pins are released)."""
         if not self.enabled:
             return
         self._drop(response_id)
         size = entry_bytes(response_id, stored)
         self._entries[response_id] = (stored, size)
         self._bytes += size
+        self._evict(keep=response_id)
+
+    def pin(self, response_id: str) -> None:
+        """Keep `response_id` whatever the bounds until `unpin` (a background run's)."""
+        self._pinned.add(response_id)
+
+    def unpin(self, response_id: str) -> None:
+        self._pinned.discard(response_id)
+        self._evict(keep=response_id)
+
+    def _evict(self, keep: str) -> None:
         while len(self._entries) > self.size or (
             self._bytes > self.max_bytes and len(self._entries) > 1
         ):
-            self._drop(next(iter(self._entries)))
+            victim = next((k for k in self._entries if k not in self._pinned and k != keep), None)
+            if victim is None:
+                return
+            self._drop(victim)
 
     def conversation(self, response_id: str) -> StoredResponse:
         """The stored response `previous_response_id` names.

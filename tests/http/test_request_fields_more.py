@@ -480,6 +480,7 @@ def check_format_type(s: Server) -> None:
 def check_format_name(s: Server) -> None:
     assert resp(s, max_output_tokens=1, text={"format": FORMAT})["text"]["format"]["name"] == "pick"
     resp_refused(s, "text.format.name", text={"format": {**FORMAT, "name": 3}})
+    resp_refused(s, "text.format.name", text={"format": {**FORMAT, "name": "a b"}})
 
 
 def check_format_schema(s: Server) -> None:

@@ -173,3 +173,22 @@ def test_a_full_store_holds_the_process_to_its_bound(allocator: str, times: int)
     assert filled["puts"] == 48, f"stopped over the bound: {filled}"
     assert filled["counted"] <= max_bytes and filled["kept"] >= 3
     assert filled["peak"] <= bound, f"{filled['peak'] / MiB:.0f} MiB > {bound / MiB:.0f} MiB"
+
+
+def test_a_pinned_entry_is_never_evicted_and_the_bound_holds_once_unpinned() -> None:
+    """A background response in progress is pinned: polling it never 404s while it runs,
+    whatever else is stored meanwhile; once it ends, the store is back within its size."""
+    store = ResponseStore(2)
+    store.put("running", StoredResponse(b"{}", ()))
+    store.pin("running")
+    for name in ("b", "c", "d"):
+        store.put(name, StoredResponse(b"{}", ()))
+    assert store.get("running") == b"{}" and store.get("d") == b"{}"
+    assert len(store) == 2  # "b" and "c" went, oldest first, around the pin
+    store.pin("d")
+    store.put("e", StoredResponse(b"{}", ()))  # both others pinned: over the size a while
+    assert len(store) == 3
+    store.unpin("running")  # its run ended: its result is kept, the oldest other goes
+    assert len(store) == 2 and store.get("running") == b"{}"
+    with pytest.raises(RequestError, match="no response 'e' is stored"):
+        store.get("e")
