@@ -17,6 +17,7 @@ import msgspec
 import trio
 
 from ._errors import RequestError
+from ._invocations import replayed
 
 Scope = dict[str, Any]
 Handler = Callable[[Scope, Any, Any, list[Any]], Awaitable[None]]
@@ -116,15 +117,12 @@ class ChatBatch:
         runs: trio.Nursery,
     ) -> None:
         status, chunks = 500, []
-        sent = False
 
-        async def receive() -> dict[str, Any]:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
+        async def disconnected() -> dict[str, Any]:
             await gone.wait()
             return {"type": "http.disconnect"}
+
+        receive = replayed(body, disconnected)
 
         async def capture(message: dict[str, Any]) -> None:
             nonlocal status
