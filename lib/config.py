@@ -2,9 +2,9 @@
 declaration every config field that is a `trillm serve` flag carries (`Flag`).
 
 Both processes read it: the frontend parses the flags into it and sends it to the engine inside
-`EngineConfig`; the worker resolves "auto" against its device (`trillm.gpu._config`). It lives
-outside `trillm.gpu` so that the API process, which only builds and sends it, never loads torch
-(DESIGN.md §8, "the API process is lean").
+`EngineConfig`; the worker resolves "auto" against its device (`trillm.gpu.worker._config`). It
+lives outside `trillm.gpu` so that the API process, which only builds and sends it, never loads
+torch (DESIGN.md §8, "the API process is lean").
 
 A flag is declared once, on the field it sets: `dataclasses.field(metadata=flag("--seed"))`
 (a msgspec Struct's fields, which carry no metadata, in a table of `Flag`s next to it). The
@@ -36,9 +36,9 @@ if TYPE_CHECKING:
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-CPU_LINEAR = ("auto", "onednn", "aten")  # `trillm.gpu._cpu_linear`
-CPU_DECODE = ("auto", "c", "torch")  # `trillm.gpu._decode_probe`
-QUANTIZATIONS = ("auto", "gguf", "none")  # `trillm.gpu._quantized`
+CPU_LINEAR = ("auto", "onednn", "aten")  # `trillm.gpu.cpu._cpu_linear`
+CPU_DECODE = ("auto", "c", "torch")  # `trillm.gpu.cpu._decode_probe`
+QUANTIZATIONS = ("auto", "gguf", "none")  # `trillm.gpu.quant._quantized`
 MAX_CUDA_GRAPH_BATCH = 512
 MAX_LORA_RANK = 64
 _FAULT = re.compile(r"(forward|token):\d+:\d+")

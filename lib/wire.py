@@ -6,7 +6,7 @@
 - `PoolingType`: what a pooling request (embeddings, scores) returns instead of tokens; it
   rides in `SamplingOptions.pooling`, the one per-request record that reaches the scheduler,
   the runner and a resumed request alike.
-- `KernelChoice`: the kernels a worker chose at load (`trillm.gpu._kernels.choose_kernels`);
+- `KernelChoice`: the kernels a worker chose at load (`trillm.gpu.runner._kernels.choose_kernels`);
   READY carries it to the frontend for the start-up line, `/version` and the
   `trillm:kernel_info` metric.
 - `LoraModule`: a LoRA adapter by name, directory and integer id (vLLM's `LoRARequest`):

@@ -92,7 +92,8 @@ class LaunchCounter(TorchDispatchMode):
 def counting_triton(counter: LaunchCounter) -> Iterator[None]:
     """Each launch `kernel[grid](...)` of trillm's Triton kernels (the attention's and the
     fused ones) counted as one."""
-    from trillm.gpu import _fused_kernels, _triton_kernels
+    from trillm.gpu.attention import _triton_kernels
+    from trillm.gpu.layers import _fused_kernels
 
     originals = {
         (module, name): obj

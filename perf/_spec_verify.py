@@ -3,7 +3,7 @@
 The real scheduler drives the real runner (the default model, float32, one thread) with
 n-gram speculation always on; each request's prompt is a sentence said eight times, so the
 model goes on repeating it and every step verifies k drafts per row (rows x (k + 1)
-tokens). Steps alternate between the two paths a verify step can take (`gpu._forward`):
+tokens). Steps alternate between the two paths a verify step can take (`gpu.runner._forward`):
 the C step a row per token with `store_first` (`VERIFY_C_STEP_MAX` = 64), and the torch
 forward with oneDNN's linears and C's attention (`VERIFY_C_STEP_MAX` = 0). Time is each
 `execute`'s CPU seconds (`time.process_time`): on a shared machine a step's wall time is
@@ -23,8 +23,9 @@ from trillm.config import WorkerConfig
 from trillm.default_model import default_model_dir
 from trillm.engine.core._request import Request
 from trillm.engine.core._scheduler import Scheduler, SchedulerConfig
-from trillm.gpu import ModelRunner, SamplingOptions, TensorParallel, _forward
-from trillm.gpu._weights import open_model
+from trillm.gpu import ModelRunner, SamplingOptions, TensorParallel
+from trillm.gpu.loader._weights import open_model
+from trillm.gpu.runner import _forward
 from trillm.speculative import parse_speculative_config
 
 BLOCK, K, STEPS = 16, 4, 12

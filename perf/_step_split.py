@@ -26,8 +26,10 @@ from typing import Any
 import torch
 from model_bench import Driver, DriverRequest, SamplingOptions
 
-from trillm.gpu import Worker, _cpu_decode, _layers
-from trillm.gpu._tiles import BF16, BF16_AMX, F32, TiledLinear
+from trillm.gpu import Worker
+from trillm.gpu.cpu import _cpu_decode
+from trillm.gpu.cpu._tiles import BF16, BF16_AMX, F32, TiledLinear
+from trillm.gpu.layers import _layers
 
 PARTS = ("linears", "attention", "sampling", "host")
 

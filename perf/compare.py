@@ -56,7 +56,7 @@ import torch
 from _llamacpp import llamacpp_venv, requantized, server_command
 from host_overhead import free_port  # perf/ is scripts: the ones next to this
 
-from trillm.gpu._cpu_linear import pack_weight, packed_linear, packed_linear_available
+from trillm.gpu.cpu._cpu_linear import pack_weight, packed_linear, packed_linear_available
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

@@ -2,7 +2,7 @@
 
 Runs a 128-token prompt and `--new-tokens` greedy decode steps through trillm's model runner
 (the built-in SmolLM2-135M, CPU) twice, interleaved run by run: with the C decode step
-(`lib/gpu/_cpu_decode.py`, the default) and with the torch forward (`--enforce-eager`); then
+(`lib/gpu/cpu/_cpu_decode.py`, the default) and with the torch forward (`--enforce-eager`); then
 each under the torch profiler. With `--batch B` > 1 (B prompts decoding together) a third
 path runs too, `c_attention`: what decode steps above the C step's `MAX_BATCH` run (oneDNN's
 linears, C's attention). Prints:
@@ -216,11 +216,11 @@ def main() -> None:
     p.add_argument("--interfere", default="", help="--split: BUSY_MS,PERIOD_MS (see above)")
     args = p.parse_args()
     if args.no_huge_pages:
-        from trillm.gpu import _hugepages
+        from trillm.gpu.cpu import _hugepages
 
         _hugepages.ENABLED = False
     if args.no_amx:
-        from trillm.gpu import _tiles
+        from trillm.gpu.cpu import _tiles
 
         _tiles.AMX_ENABLED = False
     if args.split:

@@ -20,8 +20,8 @@ from collections.abc import Callable
 import torch
 from prompt_attention_bench import build_base
 
-from trillm.gpu._tiles import tiled_kernels
-from trillm.gpu._worker import keep_activations_in_heap
+from trillm.gpu.cpu._tiles import tiled_kernels
+from trillm.gpu.worker._worker import keep_activations_in_heap
 
 HIDDEN, INTERMEDIATE = 576, 1536
 

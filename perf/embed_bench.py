@@ -40,7 +40,7 @@ from trillm.default_model import default_model_dir
 from trillm.engine.client import AsyncLLM, EngineConfig, LLMConfig, PoolingType, open_llm
 from trillm.engine.client._sampling_params import SamplingParams
 from trillm.gpu import ModelRunner, NewRequest, SamplingOptions, StepBatch, TensorParallel
-from trillm.gpu._weights import open_model
+from trillm.gpu.loader._weights import open_model
 
 BATCH, LENGTH = 32, 128
 

@@ -215,7 +215,7 @@ def counting_graph_replays() -> Iterator[list[int]]:
 def recording_paths() -> Iterator[collections.Counter[str]]:
     """Counts the path each step inside the block took (`_forward.choose_path`: graph,
     eager, C step...), so a replay count that falls short explains itself (issue 48)."""
-    import trillm.gpu._model_runner as model_runner
+    import trillm.gpu.runner._model_runner as model_runner
 
     counts: collections.Counter[str] = collections.Counter()
     original = model_runner.choose_path

@@ -3,18 +3,19 @@
 One "forward" is the linears of every decoder layer of a model shaped like SmolLM2-135M (qkv,
 o, gate/up, down; 30 layers, each with its own weights, so they stream from memory as in a real
 forward), at M tokens. Best of `--repeats`, interleaved so both see the same machine state.
-MKL keeps to AVX2 on AMD CPUs; oneDNN uses AVX-512 where the CPU has it (`lib/gpu/_cpu_linear.py`).
+MKL keeps to AVX2 on AMD CPUs; oneDNN uses AVX-512 where the CPU has it
+(`lib/gpu/cpu/_cpu_linear.py`).
 
     python perf/linear_bench.py [--tokens 1,32,128] [--dtypes float32,bfloat16]
     python perf/linear_bench.py --tiled [--tokens 1,8,32,128,512] [--threads 1 --cpu-time]
     python perf/linear_bench.py --tiled --amx [--tokens 1,16,32,64]   (bfloat16)
     python perf/linear_bench.py --tiled [--amx] --base REV
 
-`--base REV` adds each C kernel built from git revision REV's `lib/gpu/csrc`
+`--base REV` adds each C kernel built from git revision REV's `lib/gpu/cpu/csrc`
 (`prompt_attention_bench.build_base`) as a column of its own ("...@base"), interleaved with
 this tree's: a before/after of a kernel change in one process, on the same machine state.
 
-`--tiled` times trillm's C tiles (`lib/gpu/_tiles.py`) the same way: float32 tiles against
+`--tiled` times trillm's C tiles (`lib/gpu/cpu/_tiles.py`) the same way: float32 tiles against
 oneDNN's packed float32, and the weights as GGUF Q4_1 blocks in C tiles (float32 activations)
 against torch's int4 kernel over the same nibbles (`_weight_int4pack_mm_for_cpu`, bfloat16
 activations: what `--quantization gguf` ran before the tiles).
@@ -34,8 +35,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from trillm.gpu._cpu_linear import pack_weight, packed_linear, packed_linear_available
-from trillm.gpu._gguf_blocks import BLOCK_BYTES, Q4_1, QuantizedTensor
+from trillm.gpu.cpu._cpu_linear import pack_weight, packed_linear, packed_linear_available
+from trillm.gpu.quant._gguf_blocks import BLOCK_BYTES, Q4_1, QuantizedTensor
 
 HIDDEN, INTER, KV, LAYERS = 576, 1536, 192, 30
 SHAPES = [(HIDDEN, HIDDEN + 2 * KV), (HIDDEN, HIDDEN), (HIDDEN, 2 * INTER), (INTER, HIDDEN)]
@@ -63,8 +64,8 @@ def best_ms(
 
 def tiled_main(args: argparse.Namespace) -> None:
     """C tiles against oneDNN (float32) and against torch's int4 kernel (Q4_1), best ms."""
-    from trillm.gpu._quantized import Int4Weight
-    from trillm.gpu._tiles import TiledLinear, dense_tiles, quantized_tiles, tiled_kernels
+    from trillm.gpu.cpu._tiles import TiledLinear, dense_tiles, quantized_tiles, tiled_kernels
+    from trillm.gpu.quant._quantized import Int4Weight
 
     if tiled_kernels() is None:
         raise SystemExit("linear_bench: the C kernels do not build here (no C compiler?)")
@@ -92,7 +93,7 @@ def with_base(
     """`kernels`, and with `--base` each C kernel again on REV's build (same weights)."""
     from prompt_attention_bench import build_base
 
-    from trillm.gpu._tiles import TiledLinear
+    from trillm.gpu.cpu._tiles import TiledLinear
 
     if not args.base:
         return kernels
@@ -114,7 +115,13 @@ def amx_kernels(
 ) -> dict[str, list[list[Callable[[torch.Tensor], torch.Tensor]]]]:
     """bfloat16: oneDNN's packed linears (AMX where the CPU has it) against the C step's FMA
     tiles and its AMX tiles (`csrc/tl_amx.h`: AMX, or AVX512_BF16's `vdpbf16ps`)."""
-    from trillm.gpu._tiles import TiledLinear, amx_tiles, dense_tiles, pair_products, pairs_ready
+    from trillm.gpu.cpu._tiles import (
+        TiledLinear,
+        amx_tiles,
+        dense_tiles,
+        pair_products,
+        pairs_ready,
+    )
 
     if not pairs_ready():
         raise SystemExit("linear_bench --amx: no AMX or vdpbf16ps products here (pairs_ready)")

@@ -22,7 +22,7 @@ MoE / dense <= 1.3 at batch 1, which holds only if experts no token chose are ne
 
 `--kernels` times the candidate weight-only kernels alone on SmolLM2's linear shapes at M =
 each batch size, interleaved: float32 packed for oneDNN (the baseline), trillm's C tiles
-(float32, Q4_1, Q8_0: `lib/gpu/_tiles.py`), torch's int4 (`_weight_int4pack_mm_for_cpu`) and
+(float32, Q4_1, Q8_0: `lib/gpu/cpu/_tiles.py`), torch's int4 (`_weight_int4pack_mm_for_cpu`) and
 int8 (`_weight_int8pack_mm`) kernels with bfloat16 and with float32 activations, and fbgemm's
 float16 (`quantized.linear_dynamic_fp16`).
 """
@@ -113,7 +113,7 @@ SHAPES["head"] = (49152, 576)
 
 def kernel_candidates(n: int, k: int, m: int) -> dict[str, Any]:
     """name -> a call computing [m, k] x [n, k]^T with that kernel (random weights)."""
-    from trillm.gpu._cpu_linear import pack_weight, packed_linear
+    from trillm.gpu.cpu._cpu_linear import pack_weight, packed_linear
 
     w = torch.randn(n, k) * 0.05
     x = torch.randn(m, k)
@@ -141,12 +141,12 @@ def kernel_candidates(n: int, k: int, m: int) -> dict[str, Any]:
 
 
 def c_tile_candidates(w: torch.Tensor, x: torch.Tensor) -> dict[str, Any]:
-    """trillm's C tiles (`lib/gpu/_tiles.py`): float32, and the weight as Q4_1 and Q8_0
+    """trillm's C tiles (`lib/gpu/cpu/_tiles.py`): float32, and the weight as Q4_1 and Q8_0
     blocks (float32 activations); none where the C kernels do not build here."""
     from linear_bench import gguf_blocks
 
-    from trillm.gpu._gguf_blocks import Q4_1, Q8_0
-    from trillm.gpu._tiles import TiledLinear, dense_tiles, quantized_tiles, tiled_kernels
+    from trillm.gpu.cpu._tiles import TiledLinear, dense_tiles, quantized_tiles, tiled_kernels
+    from trillm.gpu.quant._gguf_blocks import Q4_1, Q8_0
 
     if tiled_kernels() is None:
         return {}

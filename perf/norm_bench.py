@@ -21,8 +21,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from trillm.gpu._cpu_ops import cpu_norms
-from trillm.gpu._worker import keep_activations_in_heap
+from trillm.gpu.cpu._cpu_ops import cpu_norms
+from trillm.gpu.worker._worker import keep_activations_in_heap
 
 
 def main() -> None:

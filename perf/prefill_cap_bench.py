@@ -42,7 +42,7 @@ from trillm.default_model import default_model_dir
 from trillm.engine.core._request import Request
 from trillm.engine.core._scheduler import Scheduler, SchedulerConfig
 from trillm.gpu import ModelRunner, SamplingOptions, TensorParallel
-from trillm.gpu._weights import open_model
+from trillm.gpu.loader._weights import open_model
 from trillm.wire import PoolingType
 
 BLOCK, BUDGET = 16, 2048

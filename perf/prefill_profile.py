@@ -13,7 +13,7 @@ prompt's FLOPs over the machine's best fp32 matmul rate, as `compare.py` compute
 
 `--prompts N` prefills N prompts in one step (16 x 128 is a full 2048-token step);
 `--torch-silu` runs torch's SiLU(gate) * up instead of the C one-pass kernel
-(`lib/gpu/_cpu_ops.py`), to measure what that kernel saves; `--torch-attention` runs torch's
+(`lib/gpu/cpu/_cpu_ops.py`), to measure what that kernel saves; `--torch-attention` runs torch's
 SDPA per prompt instead of the C attention (`trillm_attention`, a ctypes call the profiler
 does not see: its time is in no group). `--torch-norm` runs torch's residual adds and
 RMSNorms instead of the C one-pass ones (`_cpu_ops.CpuNorms`), and `--ab-norm` alternates the
@@ -54,7 +54,7 @@ from torch.profiler import profile
 
 from trillm.default_model import default_model_dir
 from trillm.gpu import Worker, WorkerConfig
-from trillm.gpu._cpu_decode import CAttention
+from trillm.gpu.cpu._cpu_decode import CAttention
 
 LINEAR = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm")
 ATTENTION = ("attention", "sdpa")
@@ -100,7 +100,7 @@ def main() -> None:
     if args.torch_silu:
         import torch.nn.functional as F
 
-        from trillm.gpu import _cpu_ops
+        from trillm.gpu.cpu import _cpu_ops
 
         def torch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
             gate, up = gate_up.chunk(2, dim=-1)
@@ -108,12 +108,12 @@ def main() -> None:
 
         _cpu_ops.silu_mul = torch_silu_mul
     if args.torch_norm:
-        from trillm.gpu import _layers
+        from trillm.gpu.layers import _layers
         from trillm.gpu.models import llama
 
         llama.cpu_norms = _layers.cpu_norms = lambda x: None
     if args.glibc_default_malloc:
-        from trillm.gpu import _worker
+        from trillm.gpu.worker import _worker
 
         _worker.keep_activations_in_heap = lambda: False
     model = default_model_dir()
@@ -205,7 +205,8 @@ def ab_norm(
     with `silu`, the C SiLU * up against torch's two ops as well."""
     import torch.nn.functional as F
 
-    from trillm.gpu import _cpu_ops, _layers
+    from trillm.gpu.cpu import _cpu_ops
+    from trillm.gpu.layers import _layers
     from trillm.gpu.models import llama
 
     def torch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -267,7 +268,8 @@ def ab_base(
     from _step_split import decode_and_mixed
     from prompt_attention_bench import build_base
 
-    from trillm.gpu import SamplingOptions, _cpu_ops
+    from trillm.gpu import SamplingOptions
+    from trillm.gpu.cpu import _cpu_ops
 
     step = worker.runner.cpu_step
     if step is None:

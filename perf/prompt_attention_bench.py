@@ -1,6 +1,6 @@
 """The C attention of prompt steps against a baseline build of the kernels, in one process.
 
-Two builds of `lib/gpu/csrc` are loaded side by side, this tree's and a git revision's
+Two builds of `lib/gpu/cpu/csrc` are loaded side by side, this tree's and a git revision's
 (`--base`, default HEAD), and run alternately (base first on even rounds, second on odd), so a
 loaded machine's drift falls on both:
 - kernel: one layer's `trillm_attention` at SmolLM2-135M's attention shape (9 query heads over
@@ -41,9 +41,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from trillm.gpu import _cpu_decode, _native
-from trillm.gpu._cpu_decode_model import Layer, Model
-from trillm.gpu._hugepages import on_huge_pages
+from trillm.gpu.cpu import _cpu_decode, _native
+from trillm.gpu.cpu._cpu_decode_model import Layer, Model
+from trillm.gpu.cpu._hugepages import on_huge_pages
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M
 SHAPES: dict[str, tuple[list[tuple[int, int]], torch.dtype]] = {  # (cached, new) a sequence
@@ -61,10 +61,10 @@ SHAPES: dict[str, tuple[list[tuple[int, int]], torch.dtype]] = {  # (cached, new
 
 
 def build_base(rev: str) -> ctypes.CDLL:
-    """`lib/gpu/csrc` at git revision `rev`, built as `_native` builds this tree's."""
+    """`lib/gpu/cpu/csrc` at git revision `rev`, built as `_native` builds this tree's."""
     root = Path(__file__).resolve().parents[1]
     files = subprocess.run(
-        ["git", "ls-tree", "--name-only", rev, "lib/gpu/csrc/"],
+        ["git", "ls-tree", "--name-only", rev, "lib/gpu/cpu/csrc/"],
         cwd=root, capture_output=True, text=True, check=True,
     ).stdout.split()  # fmt: skip
     out = Path(tempfile.mkdtemp(prefix="trillm-base-"))

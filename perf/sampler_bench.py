@@ -1,4 +1,4 @@
-"""Top-k / top-p without a sort (`lib/gpu/_sampler.py`) against the full-vocabulary sort.
+"""Top-k / top-p without a sort (`lib/gpu/sample/_sampler.py`) against the full-vocabulary sort.
 
 For each batch size B and vocabulary V, times the old sort-based filter (kept here as the
 baseline) and the sampler's filter on the same logits (randn * 3, temperature 1), with:
@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The baseline: the sampler's filter before it stopped sorting (the tests' reference, too).
 from tests.gpu.test_sampler import sorted_top_k_top_p as sort_top_k_top_p
-from trillm.gpu._sampler import _apply_top_k_top_p, _greedy
-from trillm.gpu._sampling_batch import RequestSamplingState, SamplingBatch
+from trillm.gpu.sample._sampler import _apply_top_k_top_p, _greedy
+from trillm.gpu.sample._sampling_batch import RequestSamplingState, SamplingBatch
 from trillm.wire import SamplingOptions
 
 

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from trillm.gpu import _tiles
-from trillm.gpu._tiles import BF16_AMX, TiledLinear, amx_tiles, tiled_kernels, weight_tiles
+from trillm.gpu.cpu import _tiles
+from trillm.gpu.cpu._tiles import BF16_AMX, TiledLinear, amx_tiles, tiled_kernels, weight_tiles
 
 from .conftest import make_runner
 from .driver import Driver, DriverRequest
@@ -101,7 +101,7 @@ def test_the_c_step_on_amx_tiles_is_close_to_its_fma_tiles(
 LAYOUT_CHILD = """
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-from trillm.gpu._tiles import TiledLinear, amx_ready, amx_tiles, pair_products, pairs_ready
+from trillm.gpu.cpu._tiles import TiledLinear, amx_ready, amx_tiles, pair_products, pairs_ready
 assert not amx_ready()  # this build has no AMX nor AVX512_BF16: plain C reads the layout
 assert not pairs_ready() and pair_products() == ""
 torch.manual_seed(0)

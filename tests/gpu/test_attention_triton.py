@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trillm.gpu._attention_triton import TritonAttention
+from trillm.gpu.attention._attention_triton import TritonAttention
 
 pytestmark = pytest.mark.timeout(300)
 

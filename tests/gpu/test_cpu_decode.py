@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from trillm.default_model import default_model_dir
-from trillm.gpu import SamplingOptions, Worker, WorkerConfig, _cpu_decode, _native
-from trillm.gpu._gguf_blocks import Q4_0, Q4_1, Q8_0
-from trillm.gpu._tiles import TiledLinear, dense_tiles, quantized_tiles, tile, tiled_kernels
+from trillm.gpu import SamplingOptions, Worker, WorkerConfig
+from trillm.gpu.cpu import _cpu_decode, _native
+from trillm.gpu.cpu._tiles import TiledLinear, dense_tiles, quantized_tiles, tile, tiled_kernels
+from trillm.gpu.quant._gguf_blocks import Q4_0, Q4_1, Q8_0
 
 from .conftest import make_runner
 from .driver import Driver, DriverRequest
@@ -278,8 +279,8 @@ LEVEL_CHILD = """
 import sys, gguf, torch
 sys.path.insert(0, sys.argv[1])
 from tests.gpu.test_quantized import quantized
-from trillm.gpu._quantized import pack_quantized
-from trillm.gpu._tiles import TiledLinear, dense_tiles
+from trillm.gpu.quant._quantized import pack_quantized
+from trillm.gpu.cpu._tiles import TiledLinear, dense_tiles
 Q = gguf.GGMLQuantizationType
 torch.manual_seed(0)
 x = torch.randn(11, 96)
@@ -359,7 +360,7 @@ def test_a_head_dim_off_the_vector_width_takes_the_per_head_path(
 
 
 def test_silu_mul_in_one_pass_matches_torch() -> None:
-    from trillm.gpu._cpu_ops import silu_mul
+    from trillm.gpu.cpu._cpu_ops import silu_mul
 
     x = torch.randn(37, 2 * 40) * 4
     gate, up = x.chunk(2, dim=-1)

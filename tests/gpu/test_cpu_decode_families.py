@@ -24,18 +24,12 @@ import pytest
 import torch
 import transformers
 
-from trillm.gpu import (
-    ModelRunner,
-    SamplingOptions,
-    TensorParallel,
-    WorkerConfig,
-    _native,
-    open_model,
-)
-from trillm.gpu._cpu_decode import build_cpu_step
-from trillm.gpu._gguf_blocks import BLOCK_BYTES, QuantizedTensor
-from trillm.gpu._tiles import Q4, Q8, pair_products, pairs_ready, tiled_kernels
+from trillm.gpu import ModelRunner, SamplingOptions, TensorParallel, WorkerConfig, open_model
+from trillm.gpu.cpu import _native
+from trillm.gpu.cpu._cpu_decode import build_cpu_step
+from trillm.gpu.cpu._tiles import Q4, Q8, pair_products, pairs_ready, tiled_kernels
 from trillm.gpu.models import family_for
+from trillm.gpu.quant._gguf_blocks import BLOCK_BYTES, QuantizedTensor
 
 from . import families
 from .conftest import make_runner

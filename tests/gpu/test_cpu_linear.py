@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trillm.gpu import CpuFeatures, CpuLinearUnsupportedError, probe_cpu_features
-from trillm.gpu._cpu_linear import (
+from trillm.gpu.cpu._cpu_linear import (
     BF16_WITHOUT_HARDWARE,
     choose_cpu_linear,
     pack_weight,

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from trillm.gpu import _layers, _native
-from trillm.gpu._cpu_ops import CpuNorms, cpu_norms
-from trillm.gpu._layers import RMSNorm
+from trillm.gpu.cpu import _native
+from trillm.gpu.cpu._cpu_ops import CpuNorms, cpu_norms
+from trillm.gpu.layers import _layers
+from trillm.gpu.layers._layers import RMSNorm
 from trillm.gpu.models import llama
 
 from .conftest import make_runner, save_tiny
@@ -106,7 +107,7 @@ def test_bfloat16_norms_round_as_torch_does(offset: float, hidden: int, rows: in
 def test_bfloat16_silu_mul_rounds_as_torch_does(width: int) -> None:
     """SiLU(gate) rounded to bfloat16, then the product rounded: torch's two ops, up to one
     bfloat16 step where C's exp and torch's differ in the last float32 bits."""
-    from trillm.gpu._cpu_ops import silu_mul
+    from trillm.gpu.cpu._cpu_ops import silu_mul
 
     _norms()
     torch.manual_seed(3)

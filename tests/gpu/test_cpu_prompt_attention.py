@@ -22,9 +22,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trillm.gpu import _native
-from trillm.gpu._cpu_decode_model import Layer, Model
-from trillm.gpu._tiles import tiled_kernels
+from trillm.gpu.cpu import _native
+from trillm.gpu.cpu._cpu_decode_model import Layer, Model
+from trillm.gpu.cpu._tiles import tiled_kernels
 
 pytestmark = [
     pytest.mark.timeout(300),

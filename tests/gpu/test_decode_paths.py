@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trillm.gpu._decode_paths import C_STEP, TORCH, DecodePaths, DecodeTiming
+from trillm.gpu.cpu._decode_paths import C_STEP, TORCH, DecodePaths, DecodeTiming
 
 
 def _table(*rows: tuple[int, float, float], **kw: object) -> DecodePaths:

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from trillm.config import WorkerConfigError
-from trillm.gpu import ModelRunner, TensorParallel, WorkerConfig, _decode_probe, open_model
-from trillm.gpu._decode_paths import DecodePaths, DecodeTiming
-from trillm.gpu._startup_log import StartupLog
-from trillm.gpu._tiles import tiled_kernels
+from trillm.gpu import ModelRunner, TensorParallel, WorkerConfig, open_model
+from trillm.gpu.cpu import _decode_probe
+from trillm.gpu.cpu._decode_paths import DecodePaths, DecodeTiming
+from trillm.gpu.cpu._tiles import tiled_kernels
+from trillm.gpu.worker._startup_log import StartupLog
 
 from .conftest import make_runner, save_tiny
 from .driver import Driver, DriverRequest

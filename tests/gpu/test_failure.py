@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from trillm.gpu import WorkerFailure
-from trillm.gpu._failure import raised_in
-from trillm.gpu._weights import safetensors_files
+from trillm.gpu.loader._weights import safetensors_files
+from trillm.gpu.worker._failure import raised_in
 
 
 def test_the_innermost_trillm_frame_is_named_over_deeper_foreign_ones(tmp_path: Path) -> None:

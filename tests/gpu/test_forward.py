@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from trillm.gpu import WorkerConfig
-from trillm.gpu._forward import FaultHook, Path, choose_path
-from trillm.gpu._input_batch import StepInputs
+from trillm.gpu.runner._forward import FaultHook, Path, choose_path
+from trillm.gpu.runner._input_batch import StepInputs
 
 
 def _inputs(counts: list[int], context_lens: list[int] | None = None) -> StepInputs:

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 
 from tests.gpu import families
 from tests.gpu.conftest import make_runner, save_tiny
-from trillm.gpu import _fused_kernels as fused
-from trillm.gpu._kernels import fused_kernels_for
-from trillm.gpu._layers import RMSNorm
-from trillm.gpu._rotary import RotaryEmbedding
+from trillm.gpu.layers import _fused_kernels as fused
+from trillm.gpu.layers._layers import RMSNorm
+from trillm.gpu.layers._rotary import RotaryEmbedding
+from trillm.gpu.runner._kernels import fused_kernels_for
 
 DTYPES = [torch.bfloat16, torch.float32]
 

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from trillm.default_model import DefaultModelMissingError, find_default_gguf
-from trillm.gpu._gguf import GGUFCheckpoint, GGUFError, dequantize
+from trillm.gpu.loader._gguf import GGUFCheckpoint, GGUFError, dequantize
 
 Q = gguf.GGMLQuantizationType
 

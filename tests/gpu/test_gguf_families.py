@@ -24,10 +24,10 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from trillm.gpu import _gguf_arch
-from trillm.gpu._gguf import GGUFCheckpoint, GGUFError
-from trillm.gpu._gguf_blocks import QuantizedTensor
+from trillm.gpu.loader import _gguf_arch
+from trillm.gpu.loader._gguf import GGUFCheckpoint, GGUFError
 from trillm.gpu.models import FAMILIES, family_for
+from trillm.gpu.quant._gguf_blocks import QuantizedTensor
 
 from .conftest import make_runner
 from .driver import Driver, DriverRequest

@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 import pytest
 
-from trillm.gpu._gguf import GGUFCheckpoint, GGUFError
+from trillm.gpu.loader._gguf import GGUFCheckpoint, GGUFError
 
 VOCAB, HIDDEN = 32, 16
 SIZES: dict[str, Any] = {  # a valid tiny llama: 4 heads of 4, 2 key/value heads

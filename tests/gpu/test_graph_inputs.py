@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from trillm.gpu._graph_inputs import GraphInputs
+from trillm.gpu.runner._graph_inputs import GraphInputs
 
 
 def _step(b: int, width: int, seed: int) -> tuple[np.ndarray, ...]:

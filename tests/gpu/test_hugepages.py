@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trillm.gpu import _hugepages
-from trillm.gpu._hugepages import huge_zeros, on_huge_pages
+from trillm.gpu.cpu import _hugepages
+from trillm.gpu.cpu._hugepages import huge_zeros, on_huge_pages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

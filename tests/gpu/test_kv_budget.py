@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from trillm.gpu import Worker, WorkerConfig
-from trillm.gpu._kv_budget import CAPTURE_WORKSPACE, DeviceMemory, kv_budget, margin_note
+from trillm.gpu.worker._kv_budget import CAPTURE_WORKSPACE, DeviceMemory, kv_budget, margin_note
 
 from .conftest import save_tiny
 

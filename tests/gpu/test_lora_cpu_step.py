@@ -19,7 +19,7 @@ import transformers
 
 from trillm.default_model import default_model_dir
 from trillm.gpu import SamplingOptions
-from trillm.gpu._tiles import tiled_kernels
+from trillm.gpu.cpu._tiles import tiled_kernels
 from trillm.wire import LoraModule
 
 from .conftest import TINY, make_runner, save_tiny

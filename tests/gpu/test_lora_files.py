@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trillm.gpu._lora_files import (
+from trillm.gpu.lora._lora_files import (
     AdapterFiles,
     LoraAdapterError,
     keep_checked_copy,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trillm.gpu import LoraAdapterError, open_model
-from trillm.gpu._lora_weights import read_adapter
+from trillm.gpu.lora._lora_weights import read_adapter
 from trillm.wire import LoraModule, LoraModuleError, numbered, parse_lora_module
 
 from .conftest import TINY, save_tiny

@@ -212,7 +212,7 @@ def test_pooled_rows_are_read_in_the_steps_one_host_read(
     step that samples nothing): `Pooler.pool` hands back a device tensor, each step calls
     `_to_host` once and the pooled block is among what it reads, and the rows equal
     transformers' hidden states."""
-    from trillm.gpu import _model_runner
+    from trillm.gpu.runner import _model_runner
     from trillm.wire import PoolingType
 
     runner = make_runner(tiny_model_dir)
@@ -281,8 +281,8 @@ def test_the_c_step_takes_its_whole_build_whatever_the_cpu_has(
     false here) once capped the C step at 16 decodes by an ISA rule; which sizes it takes is
     now measured (`_decode_probe`, tests/gpu/test_decode_probe.py), so its bound is its build
     (`MAX_BATCH`) on every CPU, in bfloat16 and float32."""
-    from trillm.gpu import _tiles
-    from trillm.gpu._cpu_decode import MAX_BATCH
+    from trillm.gpu.cpu import _tiles
+    from trillm.gpu.cpu._cpu_decode import MAX_BATCH
 
     if "bfloat16" not in probe_cpu_features().onednn_packs:
         pytest.skip(f"oneDNN cannot pack bfloat16 here ({probe_cpu_features().summary()})")

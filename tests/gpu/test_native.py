@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trillm.gpu import WorkerConfig, _native
-from trillm.gpu._cpu_decode import build_cpu_step
+from trillm.gpu import WorkerConfig
+from trillm.gpu.cpu import _native
+from trillm.gpu.cpu._cpu_decode import build_cpu_step
 from trillm.gpu.models.llama import LlamaForCausalLM
 
 from .conftest import make_runner

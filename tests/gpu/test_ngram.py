@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trillm.gpu._ngram import propose_ngram
+from trillm.gpu.spec_decode._ngram import propose_ngram
 
 
 def ids(*tokens: int) -> np.ndarray:

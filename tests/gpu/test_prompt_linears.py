@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from trillm.gpu import ModelRunner, TensorParallel, WorkerConfig, _decode_probe, open_model
-from trillm.gpu import _prompt_linears as prompt_linears
-from trillm.gpu._cpu_linear import packed_linear_available
-from trillm.gpu._decode_paths import MARGIN, PromptTiming
-from trillm.gpu._tiles import TiledLinear, tiled_kernels
+from trillm.gpu import ModelRunner, TensorParallel, WorkerConfig, open_model
+from trillm.gpu.cpu import _decode_probe
+from trillm.gpu.cpu import _prompt_linears as prompt_linears
+from trillm.gpu.cpu._cpu_linear import packed_linear_available
+from trillm.gpu.cpu._decode_paths import MARGIN, PromptTiming
+from trillm.gpu.cpu._tiles import TiledLinear, tiled_kernels
 
 from .conftest import make_runner, save_tiny
 from .driver import Driver, DriverRequest

@@ -24,27 +24,25 @@ import transformers
 
 from trillm.config import WorkerConfigError
 from trillm.default_model import DefaultModelMissingError, default_model_dir, find_default_gguf
-from trillm.gpu import (
-    ModelRunner,
-    SamplingOptions,
-    TensorParallel,
-    Worker,
-    WorkerConfig,
-    _quantized,
+from trillm.gpu import ModelRunner, SamplingOptions, TensorParallel, Worker, WorkerConfig
+from trillm.gpu.cpu._tiles import F32, TiledLinear, tiled_kernels
+from trillm.gpu.layers._layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
 )
-from trillm.gpu._config import quantization_for
-from trillm.gpu._gguf import GGUFCheckpoint
-from trillm.gpu._gguf_blocks import BLOCK_BYTES, QuantizedTensor
-from trillm.gpu._kernels import choose_kernels
-from trillm.gpu._layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from trillm.gpu._quantized import (
+from trillm.gpu.loader._gguf import GGUFCheckpoint
+from trillm.gpu.quant import _quantized
+from trillm.gpu.quant._gguf_blocks import BLOCK_BYTES, QuantizedTensor
+from trillm.gpu.quant._quantized import (
     Float16Weight,
     Int4Weight,
     QuantizationUnsupportedError,
     pack_quantized,
     quantized_kernels_run,
 )
-from trillm.gpu._tiles import F32, TiledLinear, tiled_kernels
+from trillm.gpu.runner._kernels import choose_kernels
+from trillm.gpu.worker._config import quantization_for
 from trillm.wire import KernelChoice
 
 from .conftest import make_runner
@@ -349,8 +347,8 @@ def test_quantization_is_validated_and_resolved(tiny_gguf: Path, tmp_path: Path)
 def test_a_torch_without_the_kernels_dequantizes_for_auto_and_refuses_gguf(
     tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("trillm.gpu._config.quantized_kernels_run", lambda: False)
-    monkeypatch.setattr("trillm.gpu._quantized.quantized_kernels_run", lambda: False)
+    monkeypatch.setattr("trillm.gpu.worker._config.quantized_kernels_run", lambda: False)
+    monkeypatch.setattr("trillm.gpu.quant._quantized.quantized_kernels_run", lambda: False)
     assert quantization_for(WorkerConfig(str(tiny_gguf)), torch.device("cpu")) == "none"
     with pytest.raises(
         QuantizationUnsupportedError,

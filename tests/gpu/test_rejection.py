@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from trillm.gpu._rejection import accepted_counts, rejection_sample
-from trillm.gpu._sampler import Sampler
-from trillm.gpu._sampling_batch import RequestSamplingState, SamplingBatch
+from trillm.gpu.sample._sampler import Sampler
+from trillm.gpu.sample._sampling_batch import RequestSamplingState, SamplingBatch
+from trillm.gpu.spec_decode._rejection import accepted_counts, rejection_sample
 from trillm.wire import SamplingOptions
 
 V, K, N = 8, 2, 20_000

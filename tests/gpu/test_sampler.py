@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trillm.gpu._sampler import (
+from trillm.gpu.sample._sampler import (
     Sampler,
     _apply_top_k,
     _process_logits,
@@ -21,7 +21,11 @@ from trillm.gpu._sampler import (
     _top_p_by_sort,
     compute_logprobs,
 )
-from trillm.gpu._sampling_batch import RequestSamplingState, SamplingBatch, TokenIdOutOfVocabError
+from trillm.gpu.sample._sampling_batch import (
+    RequestSamplingState,
+    SamplingBatch,
+    TokenIdOutOfVocabError,
+)
 from trillm.wire import SamplingOptions
 
 CPU = torch.device("cpu")

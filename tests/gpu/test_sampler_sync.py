@@ -22,10 +22,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # private, but stable since 1.13
 
-from trillm.gpu import _sampler
-from trillm.gpu._pinned import HostStaging
-from trillm.gpu._sampler import Sampler, SamplerOutput
-from trillm.gpu._sampling_batch import RequestSamplingState, SamplingBatch
+from trillm.gpu.runner._pinned import HostStaging
+from trillm.gpu.sample import _sampler
+from trillm.gpu.sample._sampler import Sampler, SamplerOutput
+from trillm.gpu.sample._sampling_batch import RequestSamplingState, SamplingBatch
 from trillm.wire import SamplingOptions
 
 CPU = torch.device("cpu")

@@ -13,10 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trillm.gpu._input_batch import InputBatch
-from trillm.gpu._sampling_batch import RequestSamplingState, SamplingBatch
-from trillm.gpu._sampling_rows import SamplingRows
 from trillm.gpu._step_batch import NewRequest
+from trillm.gpu.runner._input_batch import InputBatch
+from trillm.gpu.sample._sampling_batch import RequestSamplingState, SamplingBatch
+from trillm.gpu.sample._sampling_rows import SamplingRows
 from trillm.wire import SamplingOptions
 
 CPU = torch.device("cpu")

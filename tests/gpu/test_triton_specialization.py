@@ -26,8 +26,8 @@ from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 
 from tests.gpu.conftest import make_runner, save_tiny
-from trillm.gpu import _fused_kernels as fused
-from trillm.gpu import _triton_kernels as kernels
+from trillm.gpu.attention import _triton_kernels as kernels
+from trillm.gpu.layers import _fused_kernels as fused
 
 pytestmark = pytest.mark.skipif(
     not kernels.INTERPRETED, reason="records launches through Triton's interpreter (CPU)"

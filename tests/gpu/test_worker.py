@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from trillm.gpu import Worker, WorkerConfig
-from trillm.gpu._worker import KVCacheTooSmallError, keep_activations_in_heap
+from trillm.gpu.worker._worker import KVCacheTooSmallError, keep_activations_in_heap
 
 from .tp_peer import generate, generate_tp2
 
@@ -97,7 +97,7 @@ def test_start_up_logs_each_phase_and_the_total(
 MALLOC_CHILD = """
 import ctypes, sys
 import torch
-from trillm.gpu._worker import keep_activations_in_heap
+from trillm.gpu.worker._worker import keep_activations_in_heap
 FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
 class Info(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in FIELDS.split()]

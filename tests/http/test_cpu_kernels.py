@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import openai
 
-from trillm.gpu._cpu_linear import BF16_WITHOUT_HARDWARE
-from trillm.gpu._tiles import pair_products, pairs_ready, tiled_kernels
+from trillm.gpu.cpu._cpu_linear import BF16_WITHOUT_HARDWARE
+from trillm.gpu.cpu._tiles import pair_products, pairs_ready, tiled_kernels
 
 from .conftest import start_server
 
@@ -28,7 +28,7 @@ def test_the_cap_reproduces_an_avx2_only_cpu() -> None:
     """The premise: under the cap, oneDNN refuses to pack bfloat16 (and still packs float32)."""
     probe = (
         "import torch\n"
-        "from trillm.gpu._cpu_linear import pack_weight\n"
+        "from trillm.gpu.cpu._cpu_linear import pack_weight\n"
         "pack_weight(torch.ones(16, 16))\n"
         "pack_weight(torch.ones(16, 16, dtype=torch.bfloat16))\n"
     )

@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from trillm.gpu._cpu_linear import packed_linear_available
+from trillm.gpu.cpu._cpu_linear import packed_linear_available
 
 from ..procs import children
 from .conftest import Server, start_server

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trillm.gpu._cpu_linear import packed_linear_available
+from trillm.gpu.cpu._cpu_linear import packed_linear_available
 
 PERF = Path(__file__).resolve().parents[2] / "perf"
 sys.path.insert(0, str(PERF))  # perf/ is scripts, not a package

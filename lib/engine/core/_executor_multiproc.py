@@ -2,7 +2,7 @@
 
 Each step's `StepBatch` is encoded once into the broadcast ring, which every rank reads in
 place; each rank answers on its own result ring (rank 0 with the sampled tokens, every rank
-with a FAILURE record when it raises). The wire kinds are `trillm.gpu._worker_process`'s.
+with a FAILURE record when it raises). The wire kinds are `trillm.gpu.worker._worker_process`'s.
 
 Supervision: every process is watched by a pidfd. Waits on a ring are cut into slices of
 `WATCH_INTERVAL`; between slices every rank is swept (a FAILURE record on any result ring, a

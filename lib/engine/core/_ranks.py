@@ -144,7 +144,7 @@ def spawn_rank(
     """Start the worker process of `args`; `stack` kills and reaps it and closes its pidfd."""
     started_ns = time.monotonic_ns()
     process = subprocess.Popen(
-        [sys.executable, "-m", "trillm.gpu._worker_process", msgspec.json.encode(args)],
+        [sys.executable, "-m", "trillm.gpu.worker._worker_process", msgspec.json.encode(args)],
         pass_fds=(*commands.fds, *results.address.fds),
         stdin=subprocess.DEVNULL,
         env=without_node_token(),

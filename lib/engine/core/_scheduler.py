@@ -192,7 +192,7 @@ class Scheduler:
         spec = config.speculative
         # Requests queued behind the running ones count: drafts spend compute they wait for.
         speculating = spec is not None and spec.speculates(len(running) + len(self.waiting))
-        # The draft model writes K/V of its drafts past each step (`gpu._draft_model`).
+        # The draft model writes K/V of its drafts past each step (`gpu.spec_decode._draft_model`).
         lookahead = spec.num_speculative_tokens if speculating and spec and spec.model else 0
         draft_counts: list[int] = []  # per scheduled row: the drafts it verifies
         draft_tokens: list[int] = []

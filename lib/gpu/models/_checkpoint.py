@@ -16,10 +16,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._gguf_blocks import QuantizedTensor
-from .._layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
-from .._model_config import ModelConfig
-from .._moe import FusedMoE
+from ..layers._layers import (
+    ColumnParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from ..layers._moe import FusedMoE
+from ..quant._gguf_blocks import QuantizedTensor
+from ._model_config import ModelConfig
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _MERGED = {

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from .._layers import RMSNorm
-from .._model_config import rope_parameters, sliding_windows
-from .._rotary import Rope
+from ..layers._layers import RMSNorm
+from ..layers._rotary import Rope
+from ._model_config import rope_parameters, sliding_windows
 from .llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM, Meta
 
 

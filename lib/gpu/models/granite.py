@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .._rotary import Rope
+from ..layers._rotary import Rope
 from .llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM, Meta
 
 

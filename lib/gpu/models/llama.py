@@ -18,23 +18,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .._attention import QkvAttention, StepAttention
-from .._cpu_ops import cpu_norms, gated
-from .._failure import InjectedFault
-from .._layers import (
+from ..attention._attention import QkvAttention, StepAttention
+from ..cpu._cpu_ops import cpu_norms, gated
+from ..layers._layers import (
     ColumnParallelLinear,
     NormOps,
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from .._model_config import ModelConfig, sliding_windows
-from .._parallel import TensorParallel
-from .._rotary import Rope, RotaryEmbedding
+from ..layers._parallel import TensorParallel
+from ..layers._rotary import Rope, RotaryEmbedding
+from ..worker._failure import InjectedFault
 from ._checkpoint import CheckpointModel
+from ._model_config import ModelConfig, sliding_windows
 
 if TYPE_CHECKING:
-    from .._fused_kernels import FusedOps
+    from ..layers._fused_kernels import FusedOps
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 Meta = StepAttention | QkvAttention
@@ -344,7 +344,7 @@ class LlamaForCausalLM(CheckpointModel):
         them on for the CPU's count, off for CUDA's baseline); imports triton. The rotary
         kernel needs the triton attention backend's metadata."""
         if on:
-            from .._fused_kernels import FusedOps
+            from ..layers._fused_kernels import FusedOps
 
         self.fused = FusedOps() if on else None
         for module in self.modules():

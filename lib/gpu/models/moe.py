@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._model_config import ModelConfig, sliding_windows
-from .._moe import FusedMoE
-from .._parallel import TensorParallel
+from ..layers._moe import FusedMoE
+from ..layers._parallel import TensorParallel
+from ._model_config import ModelConfig, sliding_windows
 from .llama import LlamaDecoderLayer, LlamaForCausalLM
 
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from .._layers import RMSNorm
-from .._rotary import Rope
+from ..layers._layers import RMSNorm
+from ..layers._rotary import Rope
 from .llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM, Meta
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._model_config import rope_parameters, sliding_windows
+from ._model_config import rope_parameters, sliding_windows
 from .llama import LlamaForCausalLM
 
 

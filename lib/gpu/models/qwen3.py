@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._model_config import sliding_windows
+from ._model_config import sliding_windows
 from .llama import LlamaForCausalLM
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._model_config import sliding_windows
+from ._model_config import sliding_windows
 from .llama import LlamaForCausalLM
 
 

@@ -21,7 +21,7 @@ from trillm.engine.core._errors import WorkerDiedError
 from trillm.engine.core._executor import Executor, UniprocExecutor
 from trillm.engine.core._executor_multiproc import MultiprocExecutor
 from trillm.gpu import ModelRunner, RunnerOutput, StepBatch, WorkerConfig
-from trillm.gpu._tiles import tiled_kernels
+from trillm.gpu.cpu._tiles import tiled_kernels
 
 from ...gpu.conftest import save_tiny
 from ...gpu.driver import Driver, DriverRequest

@@ -24,7 +24,8 @@ from trillm.engine.core._grammar import Grammars, GrammarState
 from trillm.engine.core._request import Request
 from trillm.engine.core._scheduler import Scheduler, SchedulerConfig
 from trillm.engine.core._spec_decode import usable_drafts
-from trillm.gpu import ModelRunner, _model_runner
+from trillm.gpu import ModelRunner
+from trillm.gpu.runner import _model_runner
 from trillm.speculative import parse_speculative_config
 from trillm.wire import SamplingOptions
 
