@@ -35,7 +35,7 @@ def load_tokenizer(path: str) -> Any:
 
     Imported late: it imports transformers and torch, which are slow.
     """
-    from trillm.engine.client._tokenizer import load_tokenizer as trillm_load_tokenizer
+    from trillm.engine.client.inputs._tokenizer import load_tokenizer as trillm_load_tokenizer
 
     return trillm_load_tokenizer(path)
 

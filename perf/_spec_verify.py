@@ -19,14 +19,14 @@ from typing import Any
 
 import torch
 
-from trillm.config import WorkerConfig
+from trillm.common.config import WorkerConfig
+from trillm.common.speculative import parse_speculative_config
 from trillm.default_model import default_model_dir
-from trillm.engine.core._request import Request
-from trillm.engine.core._scheduler import Scheduler, SchedulerConfig
+from trillm.engine.core.sched._request import Request
+from trillm.engine.core.sched._scheduler import Scheduler, SchedulerConfig
 from trillm.gpu import ModelRunner, SamplingOptions, TensorParallel
 from trillm.gpu.loader._weights import open_model
 from trillm.gpu.runner import _forward
-from trillm.speculative import parse_speculative_config
 
 BLOCK, K, STEPS = 16, 4, 12
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,

@@ -33,7 +33,7 @@ IMPORT = (
     "import sys, time\n"
     "t = time.perf_counter()\n"
     "import trillm.http\n"
-    "import trillm.http._server\n"
+    "import trillm.http.server._server\n"
     "seconds = time.perf_counter() - t\n"
     "hwm = next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:'))\n"
     "print(seconds, hwm, 'torch' in sys.modules)\n"

@@ -17,7 +17,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-from trillm.engine.core._block_hash import hash_blocks
+from trillm.engine.core.kv._block_hash import hash_blocks
 
 
 def python_hash_blocks(tokens: Sequence[int], block_size: int) -> list[int]:

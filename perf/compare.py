@@ -253,7 +253,7 @@ def llamacpp_pairings(
     args: argparse.Namespace, exe: Path, serve_help: str, threads: int
 ) -> list[tuple[Server, Server]]:
     """trillm fp32 against llama.cpp F32, trillm quantized against llama.cpp on the GGUF."""
-    bin_dir = llamacpp_venv(args.llamacpp_venv)
+    bin_dir = llamacpp_venv(args.llamacpp_venv, isa=args.llamacpp_isa)
     venv = args.llamacpp_venv
     f32 = requantized(bin_dir, args.gguf, venv.with_name(venv.name + "-gguf"))
     kind = args.gguf.stem.rsplit(".", 1)[-1] if "." in args.gguf.stem else "GGUF"
@@ -387,6 +387,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peer-venv", type=Path, default=ROOT / ".venv-peer")
     p.add_argument("--llamacpp-venv", type=Path, default=ROOT / ".venv-llamacpp")
+    p.add_argument(
+        "--llamacpp-isa", choices=("native", "avx2"), default="native",
+        help="llama.cpp built for this CPU, or for AVX2 (x86-64-v3: the capped tables; give "
+        "it a --llamacpp-venv of its own)",
+    )  # fmt: skip
     p.add_argument("--vllmcpu-venv", type=Path, default=ROOT / ".venv-vllmcpu")
     p.add_argument(
         "--vllmcpu-variants",

@@ -35,10 +35,10 @@ import torch
 import transformers
 import trio
 
-from trillm.config import WorkerConfig
+from trillm.common.config import WorkerConfig
 from trillm.default_model import default_model_dir
 from trillm.engine.client import AsyncLLM, EngineConfig, LLMConfig, PoolingType, open_llm
-from trillm.engine.client._sampling_params import SamplingParams
+from trillm.engine.client.inputs._sampling_params import SamplingParams
 from trillm.gpu import ModelRunner, NewRequest, SamplingOptions, StepBatch, TensorParallel
 from trillm.gpu.loader._weights import open_model
 

@@ -24,9 +24,9 @@ import msgspec
 import numpy as np
 import trio
 
-from trillm.engine.client._detokenizer import IncrementalDetokenizer, StopChecker
-from trillm.engine.client._output_processor import OutputProcessor, RequestState
-from trillm.engine.client._outputs import Mailbox
+from trillm.engine.client.outputs._detokenizer import IncrementalDetokenizer, StopChecker
+from trillm.engine.client.outputs._output_processor import OutputProcessor, RequestState
+from trillm.engine.client.outputs._outputs import Mailbox
 from trillm.engine.protocol._step_record import StepView, write_step
 from trillm.transport_shm import RingAddress, RingReader, RingWriter
 

@@ -32,13 +32,13 @@ import torch
 import trio
 from safetensors.torch import save_file
 
-from trillm.config import WorkerConfig
+from trillm.common.config import WorkerConfig
+from trillm.common.wire import LoraModule
 from trillm.default_model import default_model_dir
 from trillm.engine import EngineConfig, LLMConfig, open_llm
 from trillm.engine.client import AsyncLLM
-from trillm.engine.client._sampling_params import SamplingParams
+from trillm.engine.client.inputs._sampling_params import SamplingParams
 from trillm.gpu import ModelRunner, TensorParallel, open_model
-from trillm.wire import LoraModule
 
 TARGETS = {
     "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),

@@ -1,4 +1,4 @@
-"""What the HTTP edge's thread offload costs against the work it moves (`lib/http/_offload.py`).
+"""What the HTTP edge's thread offload costs against the work it moves (`http/edge/_offload.py`).
 
     .venv/bin/python perf/offload_bench.py
 
@@ -19,8 +19,8 @@ from collections.abc import Callable
 import trio
 
 from trillm.default_model import default_model_dir
-from trillm.engine.client._tokenizer import load_tokenizer
-from trillm.http._offload import INLINE_BELOW, Offload
+from trillm.engine.client.inputs._tokenizer import load_tokenizer
+from trillm.http.edge._offload import INLINE_BELOW, Offload
 
 ROUNDS = 300
 

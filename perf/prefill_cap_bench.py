@@ -37,13 +37,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trillm.config import WorkerConfig
+from trillm.common.config import WorkerConfig
+from trillm.common.wire import PoolingType
 from trillm.default_model import default_model_dir
-from trillm.engine.core._request import Request
-from trillm.engine.core._scheduler import Scheduler, SchedulerConfig
+from trillm.engine.core.sched._request import Request
+from trillm.engine.core.sched._scheduler import Scheduler, SchedulerConfig
 from trillm.gpu import ModelRunner, SamplingOptions, TensorParallel
 from trillm.gpu.loader._weights import open_model
-from trillm.wire import PoolingType
 
 BLOCK, BUDGET = 16, 2048
 

@@ -49,9 +49,9 @@ def measure(batch: int, case: str, steps: int) -> float:
     import numpy as np
     import torch
 
+    from trillm.common.wire import SamplingOptions
     from trillm.gpu import ModelRunner, TensorParallel, WorkerConfig, open_model
     from trillm.gpu._step_batch import NewRequest, StepBatch
-    from trillm.wire import SamplingOptions
 
     sys.path.insert(0, str(ROOT / "perf"))
     from gpu_bench import TINY, llama_config, write_model_dir

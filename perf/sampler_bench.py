@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The baseline: the sampler's filter before it stopped sorting (the tests' reference, too).
 from tests.gpu.test_sampler import sorted_top_k_top_p as sort_top_k_top_p
+from trillm.common.wire import SamplingOptions
 from trillm.gpu.sample._sampler import _apply_top_k_top_p, _greedy
 from trillm.gpu.sample._sampling_batch import RequestSamplingState, SamplingBatch
-from trillm.wire import SamplingOptions
 
 
 def median_ms(

@@ -20,7 +20,7 @@ measured interleaved (off, ngram; ngram, off; ...), medians over `--repeats`:
 - `--sweep`: a third server that always speculates (`disable_by_batch_size` 4096) against
   `off` on the copy workload, one wave of c requests at c = 1, 2, 4, 8, 16, 32 (output tokens
   per second, one run each): where
-  speculation stops paying sets `DEFAULT_DISABLE_BY_BATCH_SIZE` (`trillm.speculative`).
+  speculation stops paying sets `DEFAULT_DISABLE_BY_BATCH_SIZE` (`trillm.common.speculative`).
 - `--verify`: no server; the real scheduler and runner in process, one thread, CPU time per
   verify step (rows x (k + 1) tokens) on each path: the C step a row per token
   (`store_first`) and the torch forward with oneDNN's linears (`_forward.VERIFY_C_STEP_MAX`).

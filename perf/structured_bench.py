@@ -46,7 +46,7 @@ from trillm.engine import (  # noqa: E402
 from trillm.engine.core._grammar import Grammars, load_ll_tokenizer  # noqa: E402
 from trillm.gpu import WorkerConfig  # noqa: E402
 from trillm.gpu.sample._grammar_mask import apply_grammar_bitmask  # noqa: E402
-from trillm.http._tools import required_grammar  # noqa: E402
+from trillm.http.turn._tools import required_grammar  # noqa: E402
 
 LONG = {  # never complete within max_tokens: constrained requests run as long as free ones
     "type": "array",

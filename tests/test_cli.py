@@ -11,8 +11,8 @@ import pytest
 
 from trillm import __version__
 from trillm.cli import build_parser, serve_config
-from trillm.cli_flags import serve_options
-from trillm.config import WorkerConfig
+from trillm.cli._flags import serve_options
+from trillm.common.config import WorkerConfig
 from trillm.engine.client import EngineConfig, LLMConfig
 from trillm.http import build_config
 

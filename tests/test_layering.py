@@ -1,13 +1,14 @@
-"""The package layering of DESIGN.md §1, enforced: who may import whom inside trillm.
+"""The package layering of DESIGN.md §1 and the walls of §11, enforced: who may import whom.
 
-Three kinds of rule. Between packages: `transport_shm` <- `gpu` <- `engine` <- `http`, and
+Four kinds of rule. Between packages: `transport_shm` <- `gpu` <- `engine` <- `http`, and
 no package imports another's private modules. Inside `engine`, by process: `core` (the engine
 process) and `client` (the frontend process) never import each other and meet only in
 `protocol`, the wire they share; the frontend starts the engine by its entry point's name,
 never by importing it; `http` sees only the client's public names. And by what an import
 loads: the API process's packages, imported in a fresh interpreter, load no torch, triton,
 `trillm.gpu` or engine-process code (statements alone cannot show it: a package's
-`__init__` imports its siblings).
+`__init__` imports its siblings). And the rooms' walls inside `gpu` and `http` (§11): a model
+never reaches the runner, the API faces reach each other only through `edge` and `turn`.
 """
 
 from __future__ import annotations
@@ -22,15 +23,15 @@ import pytest
 
 LIB = Path(__file__).resolve().parent.parent / "lib"
 
-# package -> the trillm packages it must never import (`config`, `wire` and `process` are
-# single modules every package may import: they import nothing of trillm)
+# package -> the trillm packages it must never import. `common` imports nothing of trillm (every
+# process reads it); nothing imports `cli`, the `trillm` parent process's command.
 FORBIDDEN = {
-    "transport_shm": {"engine", "gpu", "http"},
-    "gpu": {"engine", "http"},
-    "engine": {"http"},
-    "config.py": {"engine", "gpu", "http", "transport_shm", "wire", "process", "cli"},
-    "wire.py": {"engine", "gpu", "http", "transport_shm", "config", "process", "cli"},
-    "process.py": {"engine", "gpu", "http", "transport_shm", "config", "wire", "cli"},
+    "common": {"cli", "default_model", "engine", "gpu", "http", "transport_shm"},
+    "transport_shm": {"cli", "common", "default_model", "engine", "gpu", "http"},
+    "gpu": {"cli", "default_model", "engine", "http"},
+    "engine": {"cli", "http"},
+    "http": {"cli", "default_model", "gpu"},
+    "default_model.py": {"cli", "engine", "http"},
 }
 
 # What the API process must never load: the device side and the engine process's code.
@@ -144,6 +145,103 @@ def test_engine_process_code_and_frontend_code_meet_only_in_the_protocol(sub: st
     assert not violations, "process boundary broken (DESIGN.md §1): " + "; ".join(violations)
 
 
+# gpu/models: a model is built from layers, attention and quantized weights, never from the
+# runner, the worker or the loader that drive it.
+MODELS_NEVER_IMPORT = {"runner", "worker", "loader", "sample", "spec_decode", "lora"}
+
+# http: the API faces meet only in `edge` and `turn` (and `metrics`); `turn`, which every face
+# runs, imports no face.
+HTTP_FACES = {"openai", "responses", "anthropic", "pooling", "extras"}
+# Today's crossings: the OpenAI chat schema is still the internal format that the Responses and
+# Messages faces translate into (issue 49 item 3, the face-neutral conversation record), and
+# the pooling face's `Edge` stands in for the one exchange object (item 2). Each goes with its
+# item; no other may appear.
+CROSSINGS_TO_GO = {
+    ("anthropic/_api.py", "openai"),
+    ("responses/_api.py", "openai"),
+    ("responses/_face.py", "openai"),
+    ("extras/_tokenize_api.py", "openai"),
+    ("extras/_tokenize_api.py", "pooling"),
+    ("turn/_generate.py", "openai"),
+    ("turn/_inputs.py", "openai"),
+}
+
+
+def room_imports(path: Path, top: str, lib: Path = LIB) -> set[str]:
+    """The rooms of `trillm.<top>` (its sub-packages) other than its own that a module imports."""
+    rel = path.relative_to(lib)
+    own = rel.parts[1] if len(rel.parts) > 2 else None
+    rooms = set()
+    for target in import_targets(path, lib):
+        parts = target.split(".")
+        if parts[1] == top and len(parts) > 2 and not parts[2].startswith("_"):
+            rooms.add(parts[2])
+    return rooms - {own}
+
+
+def test_lib_holds_packages_and_the_default_model_only() -> None:
+    loose = sorted(p.name for p in LIB.glob("*.py"))
+    assert loose == ["__init__.py", "default_model.py"], (
+        f"modules at lib/'s top (records every process reads go to common/): {loose}"
+    )
+
+
+def test_gpu_and_http_are_rooms_with_few_modules_at_the_door() -> None:
+    for top, most in (("gpu", 8), ("http", 8)):
+        door = sorted(p.name for p in (LIB / top).glob("*.py"))
+        assert len(door) <= most, f"lib/{top}/ holds {len(door)} modules at its top: {door}"
+
+
+def test_no_folder_but_the_models_holds_more_than_16_modules() -> None:
+    crowded = {
+        str(d.relative_to(LIB)): n
+        for d in [LIB, *(p for p in LIB.rglob("*") if p.is_dir())]
+        if d.name != "__pycache__" and d != LIB / "gpu" / "models"
+        if (n := len([m for m in d.glob("*.py") if m.name != "__init__.py"])) > 16
+    }
+    assert not crowded, f"folders over 16 modules (give them rooms): {crowded}"
+
+
+def test_every_folder_says_which_process_it_runs_in() -> None:
+    silent = []
+    for init in sorted(LIB.rglob("__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        if not doc:
+            silent.append(str(init.relative_to(LIB)))
+    assert not silent, f"folders whose __init__.py has no docstring: {silent}"
+
+
+def test_a_model_never_reaches_the_runner() -> None:
+    violations = []
+    for path in modules("gpu/models"):
+        bad = room_imports(path, "gpu") & MODELS_NEVER_IMPORT
+        if bad:
+            violations.append(f"{path.relative_to(LIB)} imports gpu.{sorted(bad)}")
+    assert not violations, "gpu/models reaches what drives it: " + "; ".join(violations)
+
+
+def test_the_api_faces_meet_only_in_edge_and_turn() -> None:
+    found = set()
+    for room in [*sorted(HTTP_FACES), "turn"]:
+        for path in modules(f"http/{room}"):
+            for face in room_imports(path, "http") & HTTP_FACES:
+                found.add((str(path.relative_to(LIB / "http")), face))
+    new = sorted(found - CROSSINGS_TO_GO)
+    assert not new, f"an API face (or turn) imports another face: {new}"
+    gone = sorted(CROSSINGS_TO_GO - found)
+    assert not gone, f"crossings no longer there: take them out of CROSSINGS_TO_GO: {gone}"
+
+
+def test_the_room_rule_sees_relative_imports(tmp_path: Path) -> None:
+    module = tmp_path / "http" / "responses" / "_probe.py"
+    module.parent.mkdir(parents=True)
+    module.write_text(
+        "from ..openai._requests import X\nfrom ..edge import _errors\nfrom . import _store\n"
+        "from .._door import Y\n"
+    )
+    assert room_imports(module, "http", tmp_path) == {"openai", "edge"}
+
+
 def test_every_engine_module_lives_in_the_folder_of_its_process() -> None:
     loose = [p.name for p in (LIB / "engine").glob("*.py") if p.name != "__init__.py"]
     assert not loose, f"lib/engine/ modules outside client/, core/, protocol/: {loose}"
@@ -185,9 +283,9 @@ def test_the_checker_sees_relative_and_absolute_imports(tmp_path: Path) -> None:
     assert engine_imports(nested, "client", tmp_path) == {"protocol", "core"}
     assert import_targets(nested, tmp_path) == {
         "trillm.engine.protocol._messages",
-        "trillm.engine.core._request.Request",
+        "trillm.engine.core.sched._request.Request",
         "trillm.gpu.WorkerConfig",
-        "trillm.engine.client._outputs",
+        "trillm.engine.client.outputs._outputs",
         "trillm.engine.core",
     }
 
@@ -214,6 +312,7 @@ def test_no_top_level_http_package_shadows_the_stdlib() -> None:
         "import trillm.http",
         "import trillm.engine.client",
         "import trillm.cli",
+        "import trillm.common.config, trillm.common.wire, trillm.common.process",
         "from trillm import AsyncLLM, SamplingParams, LLMConfig, EngineConfig, WorkerConfig",
     ],
 )
@@ -229,7 +328,7 @@ def test_the_default_models_tokenizer_loads_without_torch() -> None:
 
     model = default_model_dir(progress=False)
     statement = (
-        "from trillm.engine.client._tokenizer import load_tokenizer\n"
+        "from trillm.engine.client.inputs._tokenizer import load_tokenizer\n"
         f"assert load_tokenizer({str(model)!r}).encode('hello world')"
     )
     assert loaded_by(statement) == []

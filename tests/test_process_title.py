@@ -1,4 +1,4 @@
-"""trillm.process.set_title: the process's name with setproctitle, and without it (a lent GPU
+"""trillm.common.process.set_title: the process's name with setproctitle, and without it (a lent GPU
 machine's image lacks it) the kernel's short name; never an error. Each case runs in a fresh
 interpreter, since a title, once set, stays for the process's life."""
 
@@ -12,7 +12,7 @@ import pytest
 SET_AND_READ = """
 import sys
 {hide}
-from trillm.process import set_title
+from trillm.common.process import set_title
 set_title(sys.argv[1])
 print(open("/proc/self/comm").read().strip())
 print(open("/proc/self/cmdline", "rb").read().split(b"\\0")[0].decode())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trillm.speculative import (
+from trillm.common.speculative import (
     DEFAULT_DISABLE_BY_BATCH_SIZE,
     SpeculativeConfig,
     SpeculativeConfigError,

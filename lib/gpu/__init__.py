@@ -9,10 +9,10 @@ Knows no scheduling policy and nothing of the engine or HTTP (DESIGN.md §1, §7
 `StepBatch` the scheduler decided and returns a columnar `RunnerOutput`.
 """
 
-from ..config import WorkerConfig as WorkerConfig
-from ..config import WorkerConfigError as WorkerConfigError
-from ..wire import KernelChoice as KernelChoice
-from ..wire import SamplingOptions as SamplingOptions
+from ..common.config import WorkerConfig as WorkerConfig
+from ..common.config import WorkerConfigError as WorkerConfigError
+from ..common.wire import KernelChoice as KernelChoice
+from ..common.wire import SamplingOptions as SamplingOptions
 from ._step_batch import NewRequest as NewRequest
 from ._step_batch import PromptLogprobs as PromptLogprobs
 from ._step_batch import RunnerOutput as RunnerOutput

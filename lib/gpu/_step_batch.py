@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
-from ..wire import SamplingOptions
+from ..common.wire import SamplingOptions
 
 
 class NewRequest(msgspec.Struct, array_like=True, gc=False, frozen=True):

@@ -6,8 +6,7 @@ torch, triton, `trillm.gpu` or the engine's own code (`tests/test_layering.py` c
 fresh interpreter).
 """
 
-from ._api_key import read_api_key as read_api_key
-from ._server import ServerConfig as ServerConfig
-from ._server import build_config as build_config
-from ._server import run_server as run_server
-from ._supervisor import supervise as supervise
+from .server._api_key import read_api_key as read_api_key
+from .server._server import ServerConfig as ServerConfig
+from .server._server import build_config as build_config
+from .server._server import run_server as run_server

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trillm.http._requests import (
+from trillm.http.openai._requests import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,

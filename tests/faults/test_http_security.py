@@ -24,10 +24,10 @@ import pytest
 
 import trillm
 from trillm.cli import build_parser
-from trillm.http._app import App, ServeConfig
-from trillm.http._errors import RequestError
-from trillm.http._metrics import Metrics
-from trillm.http._requests import ChatCompletionRequest, CompletionRequest, template_kwargs
+from trillm.http.edge._app import App, ServeConfig
+from trillm.http.edge._errors import RequestError
+from trillm.http.metrics._metrics import Metrics
+from trillm.http.openai._requests import ChatCompletionRequest, CompletionRequest, template_kwargs
 
 from ..http.conftest import Server
 from ..procs import children
@@ -121,7 +121,7 @@ def test_the_key_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -
         compared.append((a, b))
         return real(a, b)  # this only watches it being used
 
-    monkeypatch.setattr("trillm.http._app.hmac.compare_digest", compare_digest)
+    monkeypatch.setattr("trillm.http.edge._app.hmac.compare_digest", compare_digest)
     app = App(None, ServeConfig("tiny", api_key=KEY), Metrics("tiny"))  # type: ignore[arg-type]
     scope = {"method": "GET", "path": "/version", "headers": [(b"authorization", b"Bearer x")]}
     with pytest.raises(RequestError, match="the API key is missing or invalid"):

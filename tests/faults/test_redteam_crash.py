@@ -359,8 +359,8 @@ def test_a_start_up_failure_is_reported_once_not_restarted(tmp_path: Path) -> No
 STAND_IN = """
 import os, signal, sys
 from trillm.gpu import WorkerConfig
-from trillm.http._server import build_config
-from trillm.http._supervisor import supervise
+from trillm.http.server._server import build_config
+from trillm.cli._supervisor import supervise
 
 config = build_config(
     host="127.0.0.1", port=0, served_model_name="x", worker=WorkerConfig("unused"),

@@ -23,9 +23,9 @@ import msgspec
 import pytest
 
 from trillm.cli import main
-from trillm.engine.core._node_agent import NodeAgentError, connect_to_node0
-from trillm.engine.core._node_join import NodeJoinError, accept_nodes, open_listener
-from trillm.engine.core._node_link import (
+from trillm.engine.core.nodes._node_agent import NodeAgentError, connect_to_node0
+from trillm.engine.core.nodes._node_join import NodeJoinError, accept_nodes, open_listener
+from trillm.engine.core.nodes._node_link import (
     CHALLENGE,
     FRAME,
     NODE_CHALLENGE,
@@ -40,7 +40,7 @@ from trillm.engine.core._node_link import (
     link_key,
     read_node_token,
 )
-from trillm.engine.core._remote_nodes import FrameBuffer, RemoteNode
+from trillm.engine.core.nodes._remote_nodes import FrameBuffer, RemoteNode
 from trillm.engine.protocol import EngineConfig
 from trillm.gpu import WorkerConfig
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trillm.config import WorkerConfigError
+from trillm.common.config import WorkerConfigError
 from trillm.gpu import ModelRunner, TensorParallel, WorkerConfig, open_model
 from trillm.gpu.cpu import _decode_probe
 from trillm.gpu.cpu._decode_paths import DecodePaths, DecodeTiming

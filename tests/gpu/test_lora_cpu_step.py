@@ -17,10 +17,10 @@ import pytest
 import torch
 import transformers
 
+from trillm.common.wire import LoraModule
 from trillm.default_model import default_model_dir
 from trillm.gpu import SamplingOptions
 from trillm.gpu.cpu._tiles import tiled_kernels
-from trillm.wire import LoraModule
 
 from .conftest import TINY, make_runner, save_tiny
 from .driver import Driver, DriverRequest

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from trillm.common.wire import LoraModule, LoraModuleError, numbered, parse_lora_module
 from trillm.gpu import LoraAdapterError, open_model
 from trillm.gpu.lora._lora_weights import read_adapter
-from trillm.wire import LoraModule, LoraModuleError, numbered, parse_lora_module
 
 from .conftest import TINY, save_tiny
 from .lora_adapters import edit_config, make_adapter

@@ -212,8 +212,8 @@ def test_pooled_rows_are_read_in_the_steps_one_host_read(
     step that samples nothing): `Pooler.pool` hands back a device tensor, each step calls
     `_to_host` once and the pooled block is among what it reads, and the rows equal
     transformers' hidden states."""
+    from trillm.common.wire import PoolingType
     from trillm.gpu.runner import _model_runner
-    from trillm.wire import PoolingType
 
     runner = make_runner(tiny_model_dir)
     reads: list[list[object]] = []

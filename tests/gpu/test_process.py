@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from trillm.process import is_exiting
+from trillm.common.process import is_exiting
 
 
 def test_a_live_process_is_not_exiting() -> None:

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from trillm.config import WorkerConfigError
+from trillm.common.config import WorkerConfigError
+from trillm.common.wire import KernelChoice
 from trillm.default_model import DefaultModelMissingError, default_model_dir, find_default_gguf
 from trillm.gpu import ModelRunner, SamplingOptions, TensorParallel, Worker, WorkerConfig
 from trillm.gpu.cpu._tiles import F32, TiledLinear, tiled_kernels
@@ -43,7 +44,6 @@ from trillm.gpu.quant._quantized import (
 )
 from trillm.gpu.runner._kernels import choose_kernels
 from trillm.gpu.worker._config import quantization_for
-from trillm.wire import KernelChoice
 
 from .conftest import make_runner
 from .driver import Driver, DriverRequest

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
+from trillm.common.wire import SamplingOptions
 from trillm.gpu.sample._sampler import Sampler
 from trillm.gpu.sample._sampling_batch import RequestSamplingState, SamplingBatch
 from trillm.gpu.spec_decode._rejection import accepted_counts, rejection_sample
-from trillm.wire import SamplingOptions
 
 V, K, N = 8, 2, 20_000
 CHI2_BOUND = 30.0  # df 7: P(chi2 > 30) is about 1e-4

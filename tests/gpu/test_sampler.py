@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trillm.common.wire import SamplingOptions
 from trillm.gpu.sample._sampler import (
     Sampler,
     _apply_top_k,
@@ -26,7 +27,6 @@ from trillm.gpu.sample._sampling_batch import (
     SamplingBatch,
     TokenIdOutOfVocabError,
 )
-from trillm.wire import SamplingOptions
 
 CPU = torch.device("cpu")
 sampler = Sampler()

@@ -22,11 +22,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # private, but stable since 1.13
 
+from trillm.common.wire import SamplingOptions
 from trillm.gpu.runner._pinned import HostStaging
 from trillm.gpu.sample import _sampler
 from trillm.gpu.sample._sampler import Sampler, SamplerOutput
 from trillm.gpu.sample._sampling_batch import RequestSamplingState, SamplingBatch
-from trillm.wire import SamplingOptions
 
 CPU = torch.device("cpu")
 VOCAB = 1000

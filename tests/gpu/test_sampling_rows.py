@@ -13,11 +13,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trillm.common.wire import SamplingOptions
 from trillm.gpu._step_batch import NewRequest
 from trillm.gpu.runner._input_batch import InputBatch
 from trillm.gpu.sample._sampling_batch import RequestSamplingState, SamplingBatch
 from trillm.gpu.sample._sampling_rows import SamplingRows
-from trillm.wire import SamplingOptions
 
 CPU = torch.device("cpu")
 VOCAB = 64

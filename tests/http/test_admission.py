@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from trillm.http._admission import Admission
-from trillm.http._errors import RequestError
+from trillm.http.edge._admission import Admission
+from trillm.http.edge._errors import RequestError
 
 
 def test_a_request_holds_its_weight_until_it_ends() -> None:

@@ -18,7 +18,7 @@ from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import Message, RawMessageStreamEvent
 
 from trillm.engine.client import Output
-from trillm.http._anthropic import (
+from trillm.http.anthropic._api import (
     CountTokensRequest,
     MessagesFace,
     MessagesRequest,
@@ -27,12 +27,12 @@ from trillm.http._anthropic import (
     check_thinking,
     count_tokens_response,
 )
-from trillm.http._chat_output import ChatOutputParser
-from trillm.http._constraints import NamedToolChoice
-from trillm.http._errors import RequestError
-from trillm.http._requests import ChatCompletionRequest
-from trillm.http._schemas import decode_request
-from trillm.http._turn import TurnBlocks
+from trillm.http.edge._errors import RequestError
+from trillm.http.openai._requests import ChatCompletionRequest
+from trillm.http.openai._schemas import decode_request
+from trillm.http.turn._chat_output import ChatOutputParser
+from trillm.http.turn._constraints import NamedToolChoice
+from trillm.http.turn._turn import TurnBlocks
 
 EVENTS = pydantic.TypeAdapter(RawMessageStreamEvent)
 WEATHER = {"name": "get_weather", "input_schema": {"type": "object"}}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from trillm.cli import build_parser
-from trillm.http._api_key import read_api_key
+from trillm.http.server._api_key import read_api_key
 
 
 def test_the_flag_then_the_file_then_the_environment(tmp_path: Path) -> None:

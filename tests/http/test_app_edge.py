@@ -11,8 +11,8 @@ import pytest
 import trio
 import trio.testing
 
-from trillm.http._app import App, ServeConfig
-from trillm.http._metrics import Metrics
+from trillm.http.edge._app import App, ServeConfig
+from trillm.http.metrics._metrics import Metrics
 
 KEY = "k-0123"
 

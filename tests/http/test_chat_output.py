@@ -10,8 +10,8 @@ import llguidance
 import pytest
 
 from trillm.engine.client import StructuredOutputs
-from trillm.engine.client._structured import after_reasoning, free_text
-from trillm.http._chat_output import ChatOutputParser, ChatParts
+from trillm.engine.client.inputs._structured import after_reasoning, free_text
+from trillm.http.turn._chat_output import ChatOutputParser, ChatParts
 
 from ..grammars import accepts
 

@@ -17,7 +17,7 @@ from trillm.engine.client import (
     RequestFailedError,
     StructuredOutputError,
 )
-from trillm.http._errors import RequestError, http_error
+from trillm.http.edge._errors import RequestError, http_error
 
 DEATH = RemoteError("engine", signal=9)
 

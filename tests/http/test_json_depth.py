@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from trillm.http._errors import RequestError
-from trillm.http._json_depth import MAX_JSON_DEPTH, nests_deeper
-from trillm.http._requests import CompletionRequest, decode_request
+from trillm.http.edge._errors import RequestError
+from trillm.http.edge._json_depth import MAX_JSON_DEPTH, nests_deeper
+from trillm.http.openai._requests import CompletionRequest, decode_request
 
 
 def reference_depth(text: str) -> int:

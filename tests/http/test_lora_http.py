@@ -138,9 +138,9 @@ def test_an_adapter_never_takes_the_served_models_name_nor_a_path_past_path_max(
 
 
 def test_a_start_up_adapter_named_as_the_served_model_is_refused(tmp_path: Path) -> None:
+    from trillm.common.wire import LoraModule
     from trillm.gpu import WorkerConfig
     from trillm.http import build_config
-    from trillm.wire import LoraModule
 
     worker = WorkerConfig(str(tmp_path), enable_lora=True)
     with pytest.raises(ValueError, match="adapter name 'm' is the served model's name"):

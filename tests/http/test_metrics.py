@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from trillm.http._metrics import CONTENT_TYPE, Metrics
+from trillm.http.metrics._metrics import CONTENT_TYPE, Metrics
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

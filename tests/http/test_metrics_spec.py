@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from trillm.http._metrics import Metrics
+from trillm.http.metrics._metrics import Metrics
 
 from .conftest import Server, start_server
 from .test_metrics_vllm import Samples, aliases_match, samples

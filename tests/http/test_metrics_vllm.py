@@ -16,8 +16,8 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from trillm.http._metrics import Metrics
-from trillm.http._metrics_vllm import vllm_name
+from trillm.http.metrics._metrics import Metrics
+from trillm.http.metrics._vllm import vllm_name
 
 from .conftest import Server, start_server
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from trillm.http._models_api import ModelsAPI
+from trillm.http.openai._models_api import ModelsAPI
 
 
 def api(model: str, *, dev: bool = False) -> ModelsAPI:

@@ -7,7 +7,7 @@ import threading
 import pytest
 import trio
 
-from trillm.http._offload import INLINE_BELOW, Offload, default_threads
+from trillm.http.edge._offload import INLINE_BELOW, Offload, default_threads
 
 
 async def test_small_work_runs_on_the_loop_large_work_on_a_thread() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trillm.http._errors import RequestError
-from trillm.http._rank import pinned_rank
+from trillm.http.edge._errors import RequestError
+from trillm.http.edge._rank import pinned_rank
 
 
 def test_the_header_or_the_body_pins_and_neither_leaves_it_to_the_router() -> None:

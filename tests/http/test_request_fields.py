@@ -18,7 +18,7 @@ import httpx
 import msgspec
 import pytest
 
-from trillm.http import _requests as R
+from trillm.http.openai import _requests as R
 
 from .conftest import Server, start_server
 

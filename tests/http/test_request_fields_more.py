@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 import transformers
 
-from trillm.http import _pooling_schema as P
-from trillm.http import _requests as R
-from trillm.http import _responses_api as A
+from trillm.http.openai import _requests as R
+from trillm.http.pooling import _schema as P
+from trillm.http.responses import _api as A
 
 from .conftest import Server, start_server
 

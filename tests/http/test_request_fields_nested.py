@@ -24,8 +24,8 @@ import httpx
 import msgspec
 import pytest
 
-from trillm.http import _constraints as C
-from trillm.http import _requests as R
+from trillm.http.openai import _requests as R
+from trillm.http.turn import _constraints as C
 
 from .conftest import Server, start_server
 

@@ -242,9 +242,9 @@ def test_the_api_key_is_asked_for_on_every_responses_route(server: Server) -> No
 
 
 def test_a_reasoning_effort_is_chats_template_variable() -> None:
-    from trillm.http._errors import RequestError, fields_renamed
-    from trillm.http._requests import ChatMessage
-    from trillm.http._responses_api import (
+    from trillm.http.edge._errors import RequestError, fields_renamed
+    from trillm.http.openai._requests import ChatMessage
+    from trillm.http.responses._api import (
         RENAMES,
         ReasoningConfig,
         ResponsesRequest,

@@ -17,10 +17,10 @@ import tracemalloc
 import msgspec
 import pytest
 
-from trillm.http._errors import RequestError
-from trillm.http._requests import ChatMessage, decode_request
-from trillm.http._responses_api import ResponsesRequest, input_messages
-from trillm.http._responses_store import (
+from trillm.http.edge._errors import RequestError
+from trillm.http.openai._requests import ChatMessage, decode_request
+from trillm.http.responses._api import ResponsesRequest, input_messages
+from trillm.http.responses._store import (
     ResponseStore,
     StoredResponse,
     entry_bytes,
@@ -115,9 +115,9 @@ def test_a_continued_conversation_counts_the_messages_it_shares_again() -> None:
 FILL = """
 import json, sys
 import msgspec
-from trillm.http._requests import decode_request
-from trillm.http._responses_api import ResponsesRequest, input_messages
-from trillm.http._responses_store import ResponseStore, StoredResponse
+from trillm.http.openai._requests import decode_request
+from trillm.http.responses._api import ResponsesRequest, input_messages
+from trillm.http.responses._store import ResponseStore, StoredResponse
 
 max_bytes, bound, body_bytes = (int(a) for a in sys.argv[1:])
 def status(field):  # VmHWM, not ru_maxrss: that one is pytest's where it was larger

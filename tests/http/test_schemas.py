@@ -15,7 +15,7 @@ from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from trillm.engine import Output, SamplingParams, TokenLogprob
-from trillm.http._errors import (
+from trillm.http.edge._errors import (
     RequestError,
     error_body,
     not_found,
@@ -23,7 +23,7 @@ from trillm.http._errors import (
     too_large,
     unauthorized,
 )
-from trillm.http._schemas import (
+from trillm.http.openai._schemas import (
     SSE_DONE,
     ChatCompletionRequest,
     CompletionRequest,

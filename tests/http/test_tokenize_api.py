@@ -11,10 +11,10 @@ from pathlib import Path
 import httpx
 
 from trillm.engine import EngineConfig, LLMConfig, open_llm
-from trillm.engine.client._tokenizer import load_tokenizer
+from trillm.engine.client.inputs._tokenizer import load_tokenizer
 from trillm.gpu import WorkerConfig
-from trillm.http._app import App, ServeConfig
-from trillm.http._metrics import Metrics
+from trillm.http.edge._app import App, ServeConfig
+from trillm.http.metrics._metrics import Metrics
 
 
 @asynccontextmanager

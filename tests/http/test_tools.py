@@ -7,14 +7,14 @@ import json
 import llguidance
 import pytest
 
-from trillm.http._constraints import (
+from trillm.http.turn._constraints import (
     FunctionDef,
     NamedFunction,
     NamedToolChoice,
     Tool,
     constraint,
 )
-from trillm.http._tools import (
+from trillm.http.turn._tools import (
     ToolCallStream,
     auto_grammar,
     parse_tool_calls,
@@ -156,7 +156,7 @@ def test_templates_without_tools_get_them_described_and_rendered() -> None:
 
 @pytest.mark.parametrize("piece", [1, 2, 5, 1000])
 def test_streamed_calls_carry_no_separator_content(piece: int) -> None:
-    from trillm.http._chat_output import ChatOutputParser
+    from trillm.http.turn._chat_output import ChatOutputParser
 
     call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
     for text, expected in [

@@ -10,7 +10,7 @@ import llguidance
 import openai
 import pytest
 
-from trillm.http._tools_llama3 import Llama3CallStream, parse_calls, required_grammar
+from trillm.http.turn._tools_llama3 import Llama3CallStream, parse_calls, required_grammar
 
 from ..grammars import accepts
 from .conftest import start_server

@@ -14,10 +14,10 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
 from trillm.engine.client import Output
-from trillm.http._chat_output import ChatOutputParser
-from trillm.http._responses_api import ResponsesRequest
-from trillm.http._responses_face import ResponsesFace
-from trillm.http._turn import TurnBlocks
+from trillm.http.responses._api import ResponsesRequest
+from trillm.http.responses._face import ResponsesFace
+from trillm.http.turn._chat_output import ChatOutputParser
+from trillm.http.turn._turn import TurnBlocks
 
 EVENTS = pydantic.TypeAdapter(ResponseStreamEvent)
 CALL = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'

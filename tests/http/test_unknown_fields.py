@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from trillm.http import _unknown_fields
-from trillm.http._requests import ChatCompletionRequest, CompletionRequest, decode_request
+from trillm.http.edge import _unknown_fields
+from trillm.http.openai._requests import ChatCompletionRequest, CompletionRequest, decode_request
 
 
 def test_an_unknown_field_is_logged_once_and_the_request_served(

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from trillm.default_model import DEFAULT_MODEL_NAME, default_model_dir, find_default_gguf
-from trillm.http._info_responses import models_response
+from trillm.http.openai._info_responses import models_response
 
 from ..gpu.conftest import save_tiny
 from ..http.conftest import Server, free_port, start_server

@@ -42,6 +42,14 @@ def test_the_build_runs_at_nice_19_on_two_jobs_without_downloads() -> None:
     assert "-DLLAMA_USE_PREBUILT_UI=OFF" in CMAKE_ARGS  # the web UI would come from the network
 
 
+def test_the_avx2_build_leaves_out_native_and_avx512() -> None:
+    args = build_env({}, 2, "avx2")["CMAKE_ARGS"].split()
+    assert args[: len(CMAKE_ARGS)] == list(CMAKE_ARGS)
+    assert {"-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_AVX512=OFF"} <= set(
+        args
+    )
+
+
 def test_llama_server_runs_as_the_issue_measured_it() -> None:
     command = server_command(Path("/b"), Path("/m/x.F32.gguf"), 8123, 2)
     assert command == [

@@ -21,34 +21,34 @@ from typing import Any, cast
 import msgspec
 import trio
 
-from ...wire import LoraModule, PoolingType, SamplingOptions
+from ...common.wire import LoraModule, PoolingType, SamplingOptions
 from ..protocol import _messages as P
 from ._config import LLMConfig
-from ._engine_pool import EnginePool
 from ._errors import (
     DataParallelRankError,
     EngineDeadError,
     RequestFailedError,
 )
-from ._input_processor import InputProcessor
-from ._lora import LoraAdapters
-from ._output_processor import OutputProcessor
-from ._outputs import Mailbox, Output
-from ._pooling import PoolingOutput
-from ._prepared import PreparedRequest
-from ._prompt_embeds import PromptEmbeds
-from ._restarts import RestartPolicy
-from ._sampling_params import SamplingParams
-from ._streams import RequestStream
-from ._structured import (
+from .engines._engine_pool import EnginePool
+from .engines._restarts import RestartPolicy
+from .inputs._input_processor import InputProcessor
+from .inputs._lora import LoraAdapters
+from .inputs._prepared import PreparedRequest
+from .inputs._prompt_embeds import PromptEmbeds
+from .inputs._sampling_params import SamplingParams
+from .inputs._structured import (
     GrammarChecker,
     StructuredOutputError,
     after_reasoning,
     build_ll_tokenizer,
     free_text,
 )
-from ._token_pieces import TokenPieces
-from ._tokenizer import load_tokenizer
+from .inputs._tokenizer import load_tokenizer
+from .outputs._output_processor import OutputProcessor
+from .outputs._outputs import Mailbox, Output
+from .outputs._pooling import PoolingOutput
+from .outputs._streams import RequestStream
+from .outputs._token_pieces import TokenPieces
 
 
 class AsyncLLM:

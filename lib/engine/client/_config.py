@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from ...config import flag
+from ...common.config import flag
 from ..protocol._config import EngineConfig
 from ..protocol._messages import MIN_WATCHDOG_TIMEOUT
-from ._grammar_budget import MAX_GRAMMAR_BYTES, MAX_STRUCTURED_DEPTH, GrammarBudget
-from ._pooling import parse_pooler_override
-from ._regex_size import MAX_REGEX_OPTIONALS
-from ._structured import REASONING_PARSERS
+from .inputs._grammar_budget import MAX_GRAMMAR_BYTES, MAX_STRUCTURED_DEPTH, GrammarBudget
+from .inputs._regex_size import MAX_REGEX_OPTIONALS
+from .inputs._structured import REASONING_PARSERS
+from .outputs._pooling import parse_pooler_override
 
 
 @dataclass(frozen=True)

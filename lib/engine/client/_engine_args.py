@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import msgspec
 
-from ...config import WorkerConfig
+from ...common.config import WorkerConfig
 from ..protocol._config import EngineConfig
 from ._config import LLMConfig
 

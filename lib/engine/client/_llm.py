@@ -25,23 +25,23 @@ from typing import Any
 import trio
 from tqdm import tqdm  # type: ignore[import-untyped]
 
-from ...wire import PoolingType, SamplingOptions
+from ...common.wire import PoolingType, SamplingOptions
 from ._engine_args import offline_config
 from ._errors import EngineDeadError
-from ._input_processor import InputProcessor
-from ._output_processor import OutputProcessor, RequestState
-from ._outputs import Mailbox
-from ._pooling import PoolerConfig, finish_embedding, load_pooler_config
-from ._request_output import (
+from .engines._sync_client import SyncEngineClient
+from .inputs._input_processor import InputProcessor
+from .inputs._sampling_params import SamplingParams
+from .inputs._tokenizer import load_tokenizer
+from .outputs._output_processor import OutputProcessor, RequestState
+from .outputs._outputs import Mailbox
+from .outputs._pooling import PoolerConfig, finish_embedding, load_pooler_config
+from .outputs._request_output import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
     RequestOutput,
     completion_output,
     prompt_logprobs,
 )
-from ._sampling_params import SamplingParams
-from ._sync_client import SyncEngineClient
-from ._tokenizer import load_tokenizer
 
 # A prompt: text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}.
 Prompt = str | Sequence[int] | Mapping[str, Any]

@@ -5,17 +5,17 @@ the frontend only through `..protocol` over the rings, and imports nothing from 
 """
 
 from ._errors import WorkerDiedError as WorkerDiedError
-from ._executor import Executor as Executor
-from ._executor import NullExecutor as NullExecutor
-from ._executor import UniprocExecutor as UniprocExecutor
-from ._node_agent import NodeAgentError as NodeAgentError
-from ._node_agent import run_node_agent as run_node_agent
-from ._node_link import NODE_TOKEN_ENV as NODE_TOKEN_ENV
-from ._node_link import NodeTokenError as NodeTokenError
-from ._node_link import link_key as link_key
-from ._node_link import read_node_token as read_node_token
 from ._process import serve as serve
-from ._request import Request as Request
-from ._scheduler import Scheduler as Scheduler
-from ._scheduler import SchedulerConfig as SchedulerConfig
-from ._scheduler import StepResult as StepResult
+from .executor._executor import Executor as Executor
+from .executor._executor import NullExecutor as NullExecutor
+from .executor._executor import UniprocExecutor as UniprocExecutor
+from .nodes._node_agent import NodeAgentError as NodeAgentError
+from .nodes._node_agent import run_node_agent as run_node_agent
+from .nodes._node_link import NODE_TOKEN_ENV as NODE_TOKEN_ENV
+from .nodes._node_link import NodeTokenError as NodeTokenError
+from .nodes._node_link import link_key as link_key
+from .nodes._node_link import read_node_token as read_node_token
+from .sched._request import Request as Request
+from .sched._scheduler import Scheduler as Scheduler
+from .sched._scheduler import SchedulerConfig as SchedulerConfig
+from .sched._scheduler import StepResult as StepResult

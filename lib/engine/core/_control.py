@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
+from ...common.wire import LoraModule
 from ...gpu import read_adapter
-from ...wire import LoraModule
 from ..protocol import _messages as P
 from ._errors import WorkerDiedError
 from ._lora_loads import LoraLoadRefusedError, LoraLoads

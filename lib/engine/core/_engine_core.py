@@ -23,20 +23,20 @@ import time
 import msgspec
 import numpy as np
 
+from ...common.wire import LoraModule, numbered
 from ...gpu import PendingOutput, RunnerOutput, StepBatch
 from ...transport_shm import BusyError, RingReader, RingWriter
-from ...wire import LoraModule, numbered
 from ..protocol import _messages as P
 from ..protocol._config import EngineConfig
 from ..protocol._step_record import FinishReason, write_step
-from ._async_scheduler import AsyncScheduler
 from ._control import Controls
 from ._errors import WorkerDiedError
-from ._executor import Executor
 from ._grammar import Grammars, load_ll_tokenizer
 from ._lora_registry import LoraRegistry
-from ._request import Request, RequestStatus
-from ._scheduler import InvalidRequestError, Scheduler, SchedulerConfig, StepResult
+from .executor._executor import Executor
+from .sched._async_scheduler import AsyncScheduler
+from .sched._request import Request, RequestStatus
+from .sched._scheduler import InvalidRequestError, Scheduler, SchedulerConfig, StepResult
 
 IDLE_POLL_S = 1.0
 GRAMMAR_POLL_S = 0.002  # the longest nap on the ring while a grammar compiles or a LoRA loads

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ...wire import LoraModule
+from ...common.wire import LoraModule
 
 LOAD_TIMEOUT_S = 60.0
 MAX_LOADS_IN_FLIGHT = 4

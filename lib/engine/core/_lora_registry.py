@@ -14,9 +14,9 @@ running keeps its row's adapter there, and one still waiting (or preempted) keep
 
 from __future__ import annotations
 
+from ...common.wire import LoraModule
 from ...gpu import LoraAdapterError
-from ...wire import LoraModule
-from ._executor import Executor
+from .executor._executor import Executor
 
 
 class LoraRegistryError(ValueError):

@@ -17,16 +17,16 @@ import traceback
 
 import msgspec
 
+from ...common.process import die_with_parent, set_title
 from ...gpu import open_model, raised_in
-from ...process import die_with_parent, set_title
 from ...transport_shm import RingReader, RingWriter
 from ..protocol import _messages as P
 from ..protocol._config import EngineArgs, EngineConfig
 from ..protocol._errors import RemoteError
 from ._engine_core import EngineCore
 from ._errors import WorkerDiedError
-from ._executor import Executor, NullExecutor, UniprocExecutor
 from ._heartbeat import Heartbeat
+from .executor._executor import Executor, NullExecutor, UniprocExecutor
 
 
 def make_executor(config: EngineConfig) -> Executor:
@@ -42,8 +42,8 @@ def make_executor(config: EngineConfig) -> Executor:
             max_model_len=max_len,
             step_time=config.null_step_time,
         )
-    from ._executor_multiproc import MultiprocExecutor
-    from ._node_link import node_token_from_environment
+    from .executor._executor_multiproc import MultiprocExecutor
+    from .nodes._node_link import node_token_from_environment
 
     # Read here, not parsed into `config`: see `node_token_from_environment`.
     token = node_token_from_environment() if config.nnodes > 1 else None

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import msgspec
 
-from ...config import Flag, Option, WorkerConfig, options_of
+from ...common.config import Flag, Option, WorkerConfig, options_of
+from ...common.wire import LoraModule, parse_lora_module
 from ...transport_shm import RingAddress
-from ...wire import LoraModule, parse_lora_module
 
 EXECUTORS = ("auto", "uni", "multiproc", "null")
 
@@ -127,7 +127,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # The `trillm serve` flags of `EngineConfig`'s fields (a Struct's fields carry no metadata;
-# `trillm.config.Flag`). The server sets `worker_watchdog_timeout` from
+# `trillm.common.config.Flag`). The server sets `worker_watchdog_timeout` from
 # `LLMConfig.watchdog_timeout` (--engine-watchdog-timeout).
 ENGINE_FLAGS = {
     "tensor_parallel_size": Flag(("--tensor-parallel-size", "-tp")),

@@ -29,7 +29,7 @@ from typing import Final
 import msgspec
 import numpy as np
 
-from ...wire import KernelChoice, SamplingOptions
+from ...common.wire import KernelChoice, SamplingOptions
 
 ADD: Final = 1
 ABORT: Final = 2

@@ -35,7 +35,7 @@ import ctypes
 import numpy as np
 import torch
 
-from ...config import WorkerConfig
+from ...common.config import WorkerConfig
 from ..attention._attention import QkvAttention
 from ..models.llama import KVCache, LlamaForCausalLM
 from . import _native

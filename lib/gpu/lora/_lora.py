@@ -28,7 +28,7 @@ from collections import Counter, OrderedDict
 import numpy as np
 import torch
 
-from ...wire import LoraModule
+from ...common.wire import LoraModule
 from ..layers._layers import ColumnParallelLinear, RowParallelLinear
 from ..layers._parallel import TensorParallel
 from ..models._model_config import ModelConfig

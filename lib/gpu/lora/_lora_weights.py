@@ -28,7 +28,7 @@ import msgspec
 import torch
 from safetensors.torch import load as load_safetensors
 
-from ...wire import LoraModule
+from ...common.wire import LoraModule
 from ..models._model_config import ModelConfig
 from ._lora_files import (
     CONFIG_FILE,

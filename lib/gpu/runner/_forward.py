@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...config import WorkerConfig
+from ...common.config import WorkerConfig
 
 if TYPE_CHECKING:
     from ..cpu._cpu_decode import CpuStep

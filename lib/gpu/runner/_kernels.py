@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ...wire import KernelChoice
+from ...common.wire import KernelChoice
 from ..cpu._cpu_linear import CpuFeatures, choose_cpu_linear, probe_cpu_features
 from ..quant._quantized import choose_quantization
 

@@ -28,8 +28,8 @@ import msgspec
 import numpy as np
 import torch
 
-from ...config import WorkerConfig
-from ...wire import KernelChoice, LoraModule
+from ...common.config import WorkerConfig
+from ...common.wire import KernelChoice, LoraModule
 from .._step_batch import PromptLogprobs, RunnerOutput, StepBatch
 from ..attention._attention import AttentionBackend, QkvAttention, StepAttention, TorchAttention
 from ..cpu import _native

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ...wire import PoolingType
+from ...common.wire import PoolingType
 from ._input_batch import StepInputs
 
 

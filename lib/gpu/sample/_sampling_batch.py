@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ...wire import SamplingOptions
+from ...common.wire import SamplingOptions
 from ..runner._pinned import HostStaging
 from ._sampling_state import RequestSamplingState as RequestSamplingState
 from ._sampling_state import TokenIdOutOfVocabError as TokenIdOutOfVocabError

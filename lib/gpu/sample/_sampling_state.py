@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ...wire import SamplingOptions
+from ...common.wire import SamplingOptions
 
 _SEED_MASK = (1 << 64) - 1  # torch generators take seeds in [0, 2**64)
 

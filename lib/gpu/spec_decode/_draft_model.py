@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ...config import WorkerConfig
+from ...common.config import WorkerConfig
 from ..layers._parallel import TensorParallel
 from ..loader._weights import open_model
 from ..runner._forward import choose_path

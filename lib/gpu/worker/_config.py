@@ -1,6 +1,6 @@
 """What "auto" in a `WorkerConfig` means on this worker's device: the torch side of the config.
 
-`WorkerConfig` itself lives in `trillm.config`, without torch, because the API process builds
+`WorkerConfig` itself lives in `trillm.common.config`, without torch, because the API process builds
 it; resolving it against a device needs torch, and so lives here.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ...config import WorkerConfig
+from ...common.config import WorkerConfig
 from ..quant._quantized import quantized_kernels_run
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

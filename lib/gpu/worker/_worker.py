@@ -20,8 +20,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ...config import WorkerConfig
-from ...wire import KernelChoice, LoraModule
+from ...common.config import WorkerConfig
+from ...common.wire import KernelChoice, LoraModule
 from .._step_batch import NewRequest, RunnerOutput, StepBatch
 from ..layers._parallel import TensorParallel
 from ..loader._weights import open_model

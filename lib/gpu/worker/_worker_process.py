@@ -44,10 +44,10 @@ import msgspec
 import torch
 import trio
 
-from ...config import WorkerConfig
-from ...process import ParentDiedError, die_with_parent, set_title
+from ...common.config import WorkerConfig
+from ...common.process import ParentDiedError, die_with_parent, set_title
+from ...common.wire import LoraModule
 from ...transport_shm import Heartbeat, RingAddress, RingReader, RingWriter
-from ...wire import LoraModule
 from .._step_batch import RunnerOutputCodec, StepBatchCodec
 from ..lora._lora_files import LoraAdapterError
 from ._config import torch_device

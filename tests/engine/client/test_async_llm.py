@@ -23,7 +23,7 @@ from trillm.engine import (
     PromptTooLongError,
     open_llm,
 )
-from trillm.engine.client._sampling_params import SamplingParams
+from trillm.engine.client.inputs._sampling_params import SamplingParams
 from trillm.gpu import WorkerConfig
 
 from ...gpu.conftest import save_tiny

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from trillm.engine import LLMConfig, open_llm
-from trillm.engine.client._sampling_params import SamplingParams
+from trillm.engine.client.inputs._sampling_params import SamplingParams
 
 from .test_async_llm import llm_config, tiny_dir
 

@@ -8,7 +8,7 @@ import pytest
 import trio
 
 from trillm.engine import AsyncLLM, open_llm
-from trillm.engine.client._sampling_params import SamplingParams
+from trillm.engine.client.inputs._sampling_params import SamplingParams
 
 from ...gpu.conftest import save_tiny
 from .test_async_llm import llm_config

@@ -10,8 +10,8 @@ import pytest
 
 from trillm.engine import EngineConfig, LLMConfig, open_llm
 from trillm.engine.client import ChatTemplateError
-from trillm.engine.client._input_processor import InputProcessor
-from trillm.engine.client._tokenizer import load_tokenizer
+from trillm.engine.client.inputs._input_processor import InputProcessor
+from trillm.engine.client.inputs._tokenizer import load_tokenizer
 from trillm.gpu import WorkerConfig
 
 from ...gpu.conftest import save_tiny

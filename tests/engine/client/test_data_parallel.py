@@ -16,9 +16,9 @@ import trio
 
 from trillm.engine import AsyncLLM, EngineConfig, EngineDeadError, LLMConfig, open_llm
 from trillm.engine.client import DataParallelRankError, PinnedEngineDeadError
-from trillm.engine.client._router import EngineRouter
-from trillm.engine.client._sampling_params import SamplingParams
-from trillm.engine.client._streams import RequestStream
+from trillm.engine.client.engines._router import EngineRouter
+from trillm.engine.client.inputs._sampling_params import SamplingParams
+from trillm.engine.client.outputs._streams import RequestStream
 from trillm.gpu import WorkerConfig
 
 from ...gpu.conftest import save_tiny

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from trillm.default_model import default_model_dir
-from trillm.engine.client._detokenizer import IncrementalDetokenizer, StopChecker
+from trillm.engine.client.outputs._detokenizer import IncrementalDetokenizer, StopChecker
 
 
 @functools.cache

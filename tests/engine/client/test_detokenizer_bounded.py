@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from trillm.default_model import default_model_dir
-from trillm.engine.client._detokenizer import MAX_HELD_TOKENS, IncrementalDetokenizer
+from trillm.engine.client.outputs._detokenizer import MAX_HELD_TOKENS, IncrementalDetokenizer
 
 LONE_BYTE = 218  # 0x80, a continuation byte: U+FFFD wherever it stands
 N = 4000

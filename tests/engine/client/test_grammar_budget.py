@@ -31,22 +31,22 @@ from trillm.engine.client import (
     MAX_STRUCTURED_DEPTH,
     LLMConfig,
 )
-from trillm.engine.client._big_stack import run_sync_on_stack
-from trillm.engine.client._depth import gbnf_depth, lark_depth, schema_depth
-from trillm.engine.client._grammar_budget import GrammarBudget, GrammarBudgetError
-from trillm.engine.client._regex_size import (
+from trillm.engine.client.inputs._big_stack import run_sync_on_stack
+from trillm.engine.client.inputs._depth import gbnf_depth, lark_depth, schema_depth
+from trillm.engine.client.inputs._grammar_budget import GrammarBudget, GrammarBudgetError
+from trillm.engine.client.inputs._regex_size import (
     lark_regex_optionals,
     regex_optionals,
     schema_regex_optionals,
 )
-from trillm.engine.client._structured import (
+from trillm.engine.client.inputs._structured import (
     GrammarChecker,
     StructuredOutputError,
     StructuredOutputs,
 )
 from trillm.engine.protocol import EngineConfig
 from trillm.gpu import WorkerConfig
-from trillm.http._tools import auto_grammar, required_grammar
+from trillm.http.turn._tools import auto_grammar, required_grammar
 
 from ...http import test_structured_http as http_cases
 from ...http import test_tools, test_tools_llama3

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from trillm.engine import EngineConfig, EngineDeadError, LLMConfig, open_llm
-from trillm.engine.client._sampling_params import SamplingParams
+from trillm.engine.client.inputs._sampling_params import SamplingParams
 from trillm.gpu import WorkerConfig
 
 from ...faults.proc_harness import completion, served

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import trio
 
+from trillm.common.wire import LoraModule
 from trillm.engine import AsyncLLM, EngineConfig, LLMConfig, open_llm
 from trillm.engine.client import EngineStartError, LoraNotFoundError
-from trillm.engine.client._sampling_params import SamplingParams
+from trillm.engine.client.inputs._sampling_params import SamplingParams
 from trillm.gpu import WorkerConfig
-from trillm.wire import LoraModule
 
 from ...gpu.conftest import save_tiny
 from ...gpu.lora_adapters import edit_config, make_adapter, merged_greedy

@@ -19,12 +19,12 @@ import torch
 import trio
 from safetensors.torch import load_file, save_file
 
+from trillm.common.wire import LoraModule
 from trillm.engine import AsyncLLM, EngineConfig, LLMConfig, open_llm
 from trillm.engine.client import LoraNotFoundError
-from trillm.engine.client._sampling_params import SamplingParams
+from trillm.engine.client.inputs._sampling_params import SamplingParams
 from trillm.engine.protocol import _messages as P
 from trillm.gpu import WorkerConfig
-from trillm.wire import LoraModule
 
 from ...gpu.conftest import save_tiny
 from ...gpu.lora_adapters import make_adapter, merged_greedy

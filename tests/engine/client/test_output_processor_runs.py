@@ -12,9 +12,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from trillm.default_model import default_model_dir
-from trillm.engine.client._detokenizer import IncrementalDetokenizer, StopChecker
-from trillm.engine.client._output_processor import OutputProcessor, RequestState
-from trillm.engine.client._outputs import Mailbox
+from trillm.engine.client.outputs._detokenizer import IncrementalDetokenizer, StopChecker
+from trillm.engine.client.outputs._output_processor import OutputProcessor, RequestState
+from trillm.engine.client.outputs._outputs import Mailbox
 from trillm.engine.protocol._step_record import StepView, write_step
 from trillm.transport_shm import RingReader, RingWriter
 

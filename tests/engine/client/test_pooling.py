@@ -27,7 +27,7 @@ from trillm.engine.client import (
     load_pooler_config,
     open_llm,
 )
-from trillm.engine.client._sampling_params import SamplingParams
+from trillm.engine.client.inputs._sampling_params import SamplingParams
 from trillm.gpu import WorkerConfig
 
 from ...gpu import families

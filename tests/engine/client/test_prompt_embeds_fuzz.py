@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trillm.engine.client import PromptEmbeds, PromptEmbedsError
-from trillm.http._inputs import decode_prompt_embeds
+from trillm.http.turn._inputs import decode_prompt_embeds
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

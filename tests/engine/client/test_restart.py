@@ -19,9 +19,9 @@ import pytest
 import trio
 
 from trillm.engine import EngineConfig, EngineDeadError, EngineStartError, LLMConfig, open_llm
-from trillm.engine.client._restarts import RestartPolicy
-from trillm.engine.client._sampling_params import SamplingParams
-from trillm.engine.client._structured import StructuredOutputs
+from trillm.engine.client.engines._restarts import RestartPolicy
+from trillm.engine.client.inputs._sampling_params import SamplingParams
+from trillm.engine.client.inputs._structured import StructuredOutputs
 from trillm.gpu import WorkerConfig
 
 from ...gpu.conftest import save_tiny

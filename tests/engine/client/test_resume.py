@@ -7,14 +7,14 @@ from typing import Any
 
 import msgspec
 
-from trillm.engine.client._connection import EngineConnection
+from trillm.common.wire import SamplingOptions
 from trillm.engine.client._errors import EngineDeadError
-from trillm.engine.client._output_processor import RequestState
-from trillm.engine.client._outputs import Mailbox
-from trillm.engine.client._resume import judge, poison_error, resend
+from trillm.engine.client.engines._connection import EngineConnection
+from trillm.engine.client.engines._resume import judge, poison_error, resend
+from trillm.engine.client.outputs._output_processor import RequestState
+from trillm.engine.client.outputs._outputs import Mailbox
 from trillm.engine.protocol import RemoteError
 from trillm.engine.protocol import _messages as P
-from trillm.wire import SamplingOptions
 
 
 def states(n: int) -> list[RequestState]:

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from trillm.engine.client._sampling_params import SamplingParams, SamplingParamsError
+from trillm.engine.client.inputs._sampling_params import SamplingParams, SamplingParamsError
 from trillm.gpu import SamplingOptions
 
 VOCAB = 49152

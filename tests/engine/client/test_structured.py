@@ -9,7 +9,7 @@ import llguidance
 import pytest
 import trio
 
-from trillm.engine.client._structured import (
+from trillm.engine.client.inputs._structured import (
     MAX_GRAMMAR_BYTES,
     GrammarChecker,
     StructuredOutputError,

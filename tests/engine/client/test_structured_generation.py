@@ -215,7 +215,7 @@ async def test_an_engine_compile_past_its_timeout_fails_only_that_request(
 ) -> None:
     """The engine's own deadline, the frontend's check passed (its checker is given a
     generous one here): the request fails alone, naming the flag, and the engine goes on."""
-    from trillm.engine.client._structured import GrammarChecker, build_ll_tokenizer
+    from trillm.engine.client.inputs._structured import GrammarChecker, build_ll_tokenizer
 
     # In process: the deadline is the engine core's, the same on a thread (no process start).
     async with open_llm(config(tiny_dir, timeout=1e-9, in_process=True)) as llm:

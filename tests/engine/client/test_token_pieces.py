@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from trillm.default_model import default_model_dir
-from trillm.engine.client._token_pieces import TokenIds, TokenPieces
+from trillm.engine.client.outputs._token_pieces import TokenIds, TokenPieces
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,11 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from trillm.default_model import default_model_dir, find_default_gguf
-from trillm.engine.client._tokenizer import gguf_tokenizer_dir, load_tokenizer, tokenizer_class
+from trillm.engine.client.inputs._tokenizer import (
+    gguf_tokenizer_dir,
+    load_tokenizer,
+    tokenizer_class,
+)
 
 TEXTS = ["hello world", " leading space, émoji 🙂 and\ttabs\n", "<|im_start|>user\nhi<|im_end|>"]
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from trillm.engine.client._watchdog import _wait_still
-from trillm.process import process_state
+from trillm.common.process import process_state
+from trillm.engine.client.engines._watchdog import _wait_still
 
 
 async def test_the_watchdog_waits_for_silence_not_for_time(

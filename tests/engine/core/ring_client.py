@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from trillm.engine.client._connection import EngineConnection, Outgoing
-from trillm.engine.client._launch import spawn_engine, wait_ready
+from trillm.engine.client.engines._connection import EngineConnection, Outgoing
+from trillm.engine.client.engines._launch import spawn_engine, wait_ready
 from trillm.engine.protocol import _messages as P
 from trillm.engine.protocol._config import EngineConfig
 from trillm.engine.protocol._errors import RemoteError

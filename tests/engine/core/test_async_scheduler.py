@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from trillm.engine.core._async_scheduler import AsyncScheduler, StepsInFlightError
-from trillm.engine.core._request import RequestStatus
-from trillm.engine.core._scheduler import Scheduler
+from trillm.engine.core.sched._async_scheduler import AsyncScheduler, StepsInFlightError
+from trillm.engine.core.sched._request import RequestStatus
+from trillm.engine.core.sched._scheduler import Scheduler
 from trillm.engine.protocol import FinishReason
 from trillm.gpu import RunnerOutput, StepBatch
 

@@ -6,17 +6,17 @@ import os
 import subprocess
 import sys
 
-from trillm.engine.core._block_hash import HASH_BYTES, hash_block_tokens, hash_blocks
-from trillm.engine.core._kv_cache_manager import KVCacheManager
-from trillm.engine.core._request import Request
+from trillm.engine.core.kv._block_hash import HASH_BYTES, hash_block_tokens, hash_blocks
+from trillm.engine.core.kv._kv_cache_manager import KVCacheManager
+from trillm.engine.core.sched._request import Request
 from trillm.gpu import SamplingOptions
 
 BS = 4
 
 # Prints the root and the first block's hash of a fixed prompt, as one engine would make them.
 _PROBE = """
-from trillm.engine.core._kv_cache_manager import KVCacheManager
-from trillm.engine.core._request import Request
+from trillm.engine.core.kv._kv_cache_manager import KVCacheManager
+from trillm.engine.core.sched._request import Request
 from trillm.gpu import SamplingOptions
 kv = KVCacheManager(8, 4)
 request = Request(1, [1, 2, 3, 4, 5], SamplingOptions(), max_tokens=1)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trillm.engine.client._launch import EngineStartError
+from trillm.engine.client.engines._launch import EngineStartError
 from trillm.engine.protocol import _messages as P
 from trillm.engine.protocol._config import EngineConfig
 from trillm.gpu import WorkerConfig

@@ -18,8 +18,8 @@ import pytest
 import trio
 
 from trillm.engine.core._errors import WorkerDiedError
-from trillm.engine.core._executor import Executor, UniprocExecutor
-from trillm.engine.core._executor_multiproc import MultiprocExecutor
+from trillm.engine.core.executor._executor import Executor, UniprocExecutor
+from trillm.engine.core.executor._executor_multiproc import MultiprocExecutor
 from trillm.gpu import ModelRunner, RunnerOutput, StepBatch, WorkerConfig
 from trillm.gpu.cpu._tiles import tiled_kernels
 
@@ -203,7 +203,7 @@ def test_shutdown_is_idempotent_and_leaves_nothing_behind(model_dir: Path) -> No
 
 HOST = """
 import json, sys
-from trillm.engine.core._executor_multiproc import MultiprocExecutor
+from trillm.engine.core.executor._executor_multiproc import MultiprocExecutor
 from trillm.gpu import WorkerConfig
 executor = MultiprocExecutor(WorkerConfig(sys.argv[1], device="cpu", kv_cache_bytes=1 << 24), 2)
 executor.initialize()

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from trillm.engine.core._block_hash import hash_block_tokens
-from trillm.engine.core._block_pool import BlockPool
-from trillm.engine.core._kv_cache_manager import KVCacheManager
-from trillm.engine.core._request import Request, RequestStatus
+from trillm.engine.core.kv._block_hash import hash_block_tokens
+from trillm.engine.core.kv._block_pool import BlockPool
+from trillm.engine.core.kv._kv_cache_manager import KVCacheManager
+from trillm.engine.core.sched._request import Request, RequestStatus
 from trillm.gpu import SamplingOptions
 
 BS = 4

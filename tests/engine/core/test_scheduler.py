@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from trillm.engine.core._executor import NullExecutor
-from trillm.engine.core._request import Request, RequestStatus
-from trillm.engine.core._scheduler import (
+from trillm.engine.core.executor._executor import NullExecutor
+from trillm.engine.core.sched._request import Request, RequestStatus
+from trillm.engine.core.sched._scheduler import (
     InvalidRequestError,
     Scheduler,
     SchedulerConfig,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trillm.engine.core._scheduler import InvalidRequestError, Scheduler
+from trillm.common.wire import PoolingType
+from trillm.engine.core.sched._scheduler import InvalidRequestError, Scheduler
 from trillm.engine.protocol import FinishReason
 from trillm.gpu import RunnerOutput, StepBatch
-from trillm.wire import PoolingType
 
 from .test_scheduler import FakeRunner, make_config, make_request, rows_of, scheduled
 

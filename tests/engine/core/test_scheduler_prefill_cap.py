@@ -12,10 +12,10 @@ from dataclasses import replace
 import pytest
 from hypothesis import HealthCheck, settings
 
-from trillm.engine.core._request import Request
-from trillm.engine.core._scheduler import Scheduler, SchedulerConfigError
+from trillm.common.wire import PoolingType
+from trillm.engine.core.sched._request import Request
+from trillm.engine.core.sched._scheduler import Scheduler, SchedulerConfigError
 from trillm.gpu import StepBatch
-from trillm.wire import PoolingType
 
 from .test_scheduler import MACHINE_CONFIG, FakeRunner, SchedulerMachine, make_config, make_request
 from .test_scheduler_pooling import PoolingRunner

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trillm.engine.core._request import Request
-from trillm.engine.core._scheduler import Scheduler, SchedulerConfig
+from trillm.common.speculative import parse_speculative_config
+from trillm.common.wire import SamplingOptions
+from trillm.engine.core.sched._request import Request
+from trillm.engine.core.sched._scheduler import Scheduler, SchedulerConfig
 from trillm.gpu import ModelRunner
 from trillm.gpu.runner import _model_runner
-from trillm.speculative import parse_speculative_config
-from trillm.wire import SamplingOptions
 
 from ...gpu.conftest import make_runner, save_tiny
 

@@ -19,15 +19,15 @@ import llguidance
 import numpy as np
 import pytest
 
+from trillm.common.speculative import parse_speculative_config
+from trillm.common.wire import SamplingOptions
 from trillm.default_model import default_model_dir
 from trillm.engine.core._grammar import Grammars, GrammarState
-from trillm.engine.core._request import Request
-from trillm.engine.core._scheduler import Scheduler, SchedulerConfig
-from trillm.engine.core._spec_decode import usable_drafts
+from trillm.engine.core.sched._request import Request
+from trillm.engine.core.sched._scheduler import Scheduler, SchedulerConfig
+from trillm.engine.core.sched._spec_decode import usable_drafts
 from trillm.gpu import ModelRunner
 from trillm.gpu.runner import _model_runner
-from trillm.speculative import parse_speculative_config
-from trillm.wire import SamplingOptions
 
 from ...gpu.conftest import make_runner
 from ...grammars import VOCAB

@@ -99,7 +99,7 @@ def test_events_are_one_tagged_union(event: object) -> None:
 
 
 def test_the_connection_encodes_what_the_engine_decodes() -> None:
-    from trillm.engine.client._connection import EngineConnection, ProtocolError
+    from trillm.engine.client.engines._connection import EngineConnection, ProtocolError
 
     conn = EngineConnection()
     options = SamplingOptions(temperature=0.0, stop_token_ids=(5,))

@@ -1,8 +1,0 @@
-"""The HTTP layer's schemas in one namespace: requests, responses and the stream chunker."""
-
-from ._info_responses import *  # noqa: F403
-from ._request_params import to_sampling_params as to_sampling_params
-from ._requests import *  # noqa: F403
-from ._responses import *  # noqa: F403
-from ._responses import SSE_DONE as SSE_DONE
-from ._stream_chunker import StreamChunker as StreamChunker
