@@ -265,7 +265,7 @@ def test_the_frontend_starts_the_engine_by_its_entry_point_name() -> None:
     assert ENGINE_MAIN == "trillm.engine.core"
     spec = importlib.util.find_spec(ENGINE_MAIN + ".__main__")
     assert spec is not None and spec.origin == str(LIB / "engine" / "core" / "__main__.py")
-    launch = (LIB / "engine" / "client" / "_launch.py").read_text()
+    launch = (LIB / "engine" / "client" / "engines" / "_launch.py").read_text()
     assert "ENGINE_MAIN" in launch and "trillm.engine.core" not in launch
 
 
@@ -283,9 +283,9 @@ def test_the_checker_sees_relative_and_absolute_imports(tmp_path: Path) -> None:
     assert engine_imports(nested, "client", tmp_path) == {"protocol", "core"}
     assert import_targets(nested, tmp_path) == {
         "trillm.engine.protocol._messages",
-        "trillm.engine.core.sched._request.Request",
+        "trillm.engine.core._request.Request",
         "trillm.gpu.WorkerConfig",
-        "trillm.engine.client.outputs._outputs",
+        "trillm.engine.client._outputs",
         "trillm.engine.core",
     }
 

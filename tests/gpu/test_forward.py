@@ -82,7 +82,7 @@ def test_a_faulting_step_runs_the_torch_forward_where_the_hook_raises() -> None:
 
 
 class _Model:
-    fail_next_forward = False
+    fault: Exception | None = None
 
 
 @pytest.mark.parametrize(
@@ -105,5 +105,5 @@ def test_the_fault_hook_arms_the_forward_of_its_step(
     for i, inputs in enumerate(steps):
         if hook.arm(model, inputs) and inputs is not None:  # type: ignore[arg-type]
             armed.append(i)
-            model.fail_next_forward = False  # as the forward does when it raises
+            model.fault = None  # as the forward does when it raises
     assert armed == armed_at

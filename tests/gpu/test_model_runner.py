@@ -210,20 +210,20 @@ def test_pooled_rows_are_read_in_the_steps_one_host_read(
 ) -> None:
     """A MEAN request in two chunks beside a sampling request, then a LAST request alone (a
     step that samples nothing): `Pooler.pool` hands back a device tensor, each step calls
-    `_to_host` once and the pooled block is among what it reads, and the rows equal
+    `to_host` once and the pooled block is among what it reads, and the rows equal
     transformers' hidden states."""
     from trillm.common.wire import PoolingType
     from trillm.gpu.runner import _model_runner
 
     runner = make_runner(tiny_model_dir)
     reads: list[list[object]] = []
-    to_host = _model_runner._to_host
+    to_host = _model_runner.to_host
 
     def counting(*tensors: torch.Tensor | None) -> list[np.ndarray | None]:
         reads.append(list(tensors))
         return to_host(*tensors)
 
-    monkeypatch.setattr(_model_runner, "_to_host", counting)
+    monkeypatch.setattr(_model_runner, "to_host", counting)
     pools: list[object] = []
     pool = runner.pooler.pool
 

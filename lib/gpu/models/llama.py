@@ -29,7 +29,6 @@ from ..layers._layers import (
 )
 from ..layers._parallel import TensorParallel
 from ..layers._rotary import Rope, RotaryEmbedding
-from ..worker._failure import InjectedFault
 from ._checkpoint import CheckpointModel
 from ._model_config import ModelConfig, sliding_windows
 
@@ -240,7 +239,9 @@ class LlamaForCausalLM(CheckpointModel):
     def __init__(self, config: ModelConfig, tp: TensorParallel, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
-        self.fail_next_forward = False  # the inject_fault test hook
+        # The inject_fault test hook: set by the runner's `FaultHook`, raised by the next
+        # forward (so the root cause names this frame), then cleared.
+        self.fault: Exception | None = None
         self.fused: FusedOps | None = None  # `use_fused`: CUDA's fused kernels
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp=tp, dtype=dtype
@@ -289,9 +290,9 @@ class LlamaForCausalLM(CheckpointModel):
         embedding at those tokens (a prompt sent as embeddings): as transformers'
         `inputs_embeds`, before the embedding multiplier (Gemma's, Granite's).
         """
-        if self.fail_next_forward:
-            self.fail_next_forward = False
-            raise InjectedFault("injected fault in LlamaForCausalLM.forward (test hook)")
+        if self.fault is not None:
+            fault, self.fault = self.fault, None
+            raise fault
         hidden = self.embed_tokens(input_ids)
         if embeds is not None:
             index, rows = embeds

@@ -12,9 +12,9 @@ C step (`CpuStep`, on CPU). A step then takes, by its shape:
   `PROMPT_CONTEXT_MAX`): the torch forward with C's attention in each layer;
 - `Path.EAGER`: the rest, the torch forward with the configured attention backend.
 
-The `inject_fault` test hook (`WorkerConfig.fault_at`) arms the torch forward, which raises
-`InjectedFault` from `LlamaForCausalLM.forward`; a step it arms takes neither a graph nor the
-C step, which would skip that forward.
+The `inject_fault` test hook (`WorkerConfig.fault_at`) arms the torch forward with an
+`InjectedFault` (`FaultHook`: the model itself knows no hook), which `LlamaForCausalLM.forward`
+raises; a step it arms takes neither a graph nor the C step, which would skip that forward.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...common.config import WorkerConfig
+from ..worker._failure import InjectedFault
 
 if TYPE_CHECKING:
     from ..cpu._cpu_decode import CpuStep
@@ -101,12 +102,10 @@ class FaultHook:
         armed. `inputs` None: nothing was scheduled, so no forward runs and a fault due now
         stays armed for the next step's."""
         step, self.num_steps = self.num_steps, self.num_steps + 1
-        if step == self.fault_step:
-            model.fail_next_forward = True
-        if (
+        if step == self.fault_step or (
             inputs is not None
             and self.fault_token >= 0
             and bool((inputs.input_ids == self.fault_token).any())
         ):
-            model.fail_next_forward = True
-        return model.fail_next_forward
+            model.fault = InjectedFault("injected fault in LlamaForCausalLM.forward (test hook)")
+        return model.fault is not None

@@ -26,7 +26,8 @@ every draft.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -39,14 +40,36 @@ from ..runner._input_batch import InputBatch, StepInputs
 from ..worker._startup_log import StartupLog
 
 if TYPE_CHECKING:
-    from ..runner._model_runner import ModelRunner
+    from ..cpu._cpu_decode import CpuStep
+    from ..loader._weights import Weights
+    from ..models._model_config import ModelConfig
+    from ..models.llama import LlamaForCausalLM
+    from ..runner._forward import Path
+
+
+class DraftRunner(Protocol):
+    """What a draft model needs of the runner that runs it: a `ModelRunner` of the draft
+    (`make_runner`, given by the target's runner, so this module does not import it)."""
+
+    inputs: InputBatch
+    cpu_step: CpuStep | None
+    model: LlamaForCausalLM | None
+
+    def load_model(self, weights: Weights | None, log: StartupLog | None = None) -> None: ...
+    def kv_bytes_per_block(self) -> int: ...
+    def init_kv_cache(self, num_blocks: int) -> None: ...
+    def free_kv_cache(self) -> int: ...
+    def hidden_states(self, path: Path, inputs: StepInputs, embeds: None) -> torch.Tensor: ...
+
+
+MakeRunner = Callable[["WorkerConfig", "ModelConfig", TensorParallel, torch.device], DraftRunner]
 
 
 class DraftModel:
     """The draft runner (a `ModelRunner` of the draft model that reads the target's rows)
     and, per row, how many of its tokens have draft K/V."""
 
-    def __init__(self, runner: ModelRunner, inputs: InputBatch) -> None:
+    def __init__(self, runner: DraftRunner, inputs: InputBatch) -> None:
         self.runner = runner
         runner.inputs = inputs  # the target's rows: tokens, block tables
         self.inputs = inputs
@@ -62,14 +85,15 @@ class DraftModel:
         inputs: InputBatch,
         vocab_size: int,
         log: StartupLog | None = None,
+        *,
+        make_runner: MakeRunner,
     ) -> DraftModel:
-        """Load the draft model at `model` for a target of `config`.
+        """Load the draft model at `model` for a target of `config`, run by a runner
+        `make_runner` builds (the target's own class).
 
         Raises:
             ValueError: its vocabulary is not the target's.
         """
-        from ..runner._model_runner import ModelRunner
-
         model_config, weights = open_model(model, "auto")
         if model_config.vocab_size != vocab_size:
             raise ValueError(
@@ -82,7 +106,7 @@ class DraftModel:
         )
         if getattr(draft_config, "enable_lora", False):  # the draft runs no adapter
             object.__setattr__(draft_config, "enable_lora", False)
-        runner = ModelRunner(draft_config, model_config, tp, device)
+        runner = make_runner(draft_config, model_config, tp, device)
         runner.load_model(weights, log)
         return cls(runner, inputs)
 
@@ -141,7 +165,7 @@ class DraftModel:
         runner = self.runner
         step = _flat_inputs(self.inputs, rows, starts, ends)
         path = choose_path(step, None, runner.cpu_step)
-        hidden = runner._forward(path, step, None)
+        hidden = runner.hidden_states(path, step, None)
         last = torch.from_numpy(step.token_starts + step.counts - 1)
         head = runner.cpu_step or runner.model
         assert head is not None

@@ -21,7 +21,7 @@ from trillm.common.wire import SamplingOptions
 from trillm.engine.core.sched._request import Request
 from trillm.engine.core.sched._scheduler import Scheduler, SchedulerConfig
 from trillm.gpu import ModelRunner
-from trillm.gpu.runner import _model_runner
+from trillm.gpu.spec_decode import _verify
 
 from ...gpu.conftest import make_runner, save_tiny
 
@@ -124,7 +124,7 @@ def noisy_proposer(seed: int = 0) -> object:
 
 @pytest.fixture(autouse=True)
 def noisy_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_model_runner, "propose_rows", noisy_proposer())
+    monkeypatch.setattr(_verify, "propose_rows", noisy_proposer())
 
 
 def test_greedy_tokens_are_the_same_with_ngram_speculation(runner: ModelRunner) -> None:

@@ -27,7 +27,7 @@ from trillm.engine.core.sched._request import Request
 from trillm.engine.core.sched._scheduler import Scheduler, SchedulerConfig
 from trillm.engine.core.sched._spec_decode import usable_drafts
 from trillm.gpu import ModelRunner
-from trillm.gpu.runner import _model_runner
+from trillm.gpu.spec_decode import _verify
 
 from ...gpu.conftest import make_runner
 from ...grammars import VOCAB
@@ -189,7 +189,7 @@ def test_the_default_model_as_its_own_draft_accepts_every_draft(
 def refused_last_draft(ll_tokenizer: Any) -> Callable[..., tuple[np.ndarray, np.ndarray]]:
     """Lookup's drafts, each row's last one replaced by a token the schema never allows."""
     (zebra,) = ll_tokenizer.tokenize_str(" zebra")[:1]
-    propose = _model_runner.propose_rows
+    propose = _verify.propose_rows
 
     def proposer(*args: Any, **kw: Any) -> tuple[np.ndarray, np.ndarray]:
         offsets, tokens = propose(*args, **kw)
@@ -224,7 +224,7 @@ def test_a_json_schema_with_drafts_gives_valid_json_and_the_same_tokens(
     stats = scheduler.spec_stats
     assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens  # masks per position ran
 
-    monkeypatch.setattr(_model_runner, "propose_rows", refused_last_draft(ll_tokenizer))
+    monkeypatch.setattr(_verify, "propose_rows", refused_last_draft(ll_tokenizer))
     cut, scheduler = run(
         runner, prompt, spec=NGRAM, max_tokens=120, grammar=grammar, grammars=grammars
     )
