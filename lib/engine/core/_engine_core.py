@@ -11,7 +11,7 @@ only compiles are pending); each step's grammar masks are computed while the for
 
 Control calls (UTILITY): `_control`, where whatever a call raises is its answer, never the
 engine's end. Paused or asleep, aborts are still reported, by a STEP record without a
-forward (`_flush`).
+forward (`_flush`). The request ring's records become scheduler calls in `_inbox`.
 """
 
 from __future__ import annotations
@@ -25,24 +25,21 @@ import numpy as np
 
 from ...common.wire import LoraModule, numbered
 from ...gpu import PendingOutput, RunnerOutput, StepBatch
-from ...transport_shm import BusyError, RingReader, RingWriter
+from ...transport_shm import RingReader, RingWriter
 from ..protocol import _messages as P
 from ..protocol._config import EngineConfig
 from ..protocol._step_record import FinishReason, write_step
 from ._control import Controls
 from ._errors import WorkerDiedError
-from ._grammar import Grammars, load_ll_tokenizer
+from ._grammar import Grammars
+from ._inbox import GRAMMAR_POLL_S, IDLE_POLL_S, RequestInbox
 from ._lora_registry import LoraRegistry
 from .executor._executor import Executor
 from .sched._async_scheduler import AsyncScheduler
-from .sched._request import Request, RequestStatus
-from .sched._scheduler import InvalidRequestError, Scheduler, SchedulerConfig, StepResult
-
-IDLE_POLL_S = 1.0
-GRAMMAR_POLL_S = 0.002  # the longest nap on the ring while a grammar compiles or a LoRA loads
+from .sched._scheduler import Scheduler, SchedulerConfig, StepResult
 
 
-class EngineCore:
+class EngineCore(RequestInbox):
     """Owns the scheduler and the executor; talks to the frontend only through the rings."""
 
     def __init__(
@@ -276,116 +273,6 @@ class EngineCore:
             timeout=self.config.output_timeout,
         )
 
-    # -- the request ring ----------------------------------------------------------------
-
-    def _drain_requests(self, *, block: bool, timeout: float = IDLE_POLL_S) -> None:
-        reader = self.requests
-        if block:
-            try:
-                reader.peek(timeout=timeout)
-            except BusyError:
-                self.executor.check_health()
-                return
-        while (record := reader.try_peek()) is not None:
-            kind, payload = record
-            try:
-                self._handle(kind, payload)
-            finally:
-                reader.release()
-
-    def _handle(self, kind: int, payload: memoryview) -> None:
-        if kind == P.ADD:
-            header, tokens = P.unpack_add(payload, self._add_decoder)
-            ids = tokens.tolist()
-            num_prompt = len(ids) - header.num_output_tokens
-            request = Request(
-                rnum=header.rnum,
-                prompt_token_ids=ids[:num_prompt],
-                output_token_ids=ids[num_prompt:],
-                options=header.options,
-                max_tokens=header.max_tokens,
-                eos_token_id=self.eos_token_id,
-                arrival_time=header.arrival_time,
-                cache_salt=header.cache_salt,
-                prompt_embeds=header.prompt_embeds,
-            )
-            if header.grammar:
-                request.status = RequestStatus.WAITING_FOR_GRAMMAR
-            try:
-                request.lora_id, request.lora_digest = header.lora_id, self._digest(header)
-                self.scheduler.add_request(request)
-            except InvalidRequestError as exc:  # the frontend validates; never kill the engine
-                self._rejected.append(header.rnum)
-                self._send_event(P.RequestError(header.rnum, str(exc)))
-                self._needs_flush = True
-                return
-            if header.grammar:
-                self._grammars_for_requests().submit(header.rnum, header.grammar)
-            if self._draining_until is not None:  # draining admits nothing new
-                self.abort([header.rnum])
-        elif kind == P.ABORT:
-            self.abort(np.frombuffer(payload, "<u8").tolist())
-        elif kind == P.UTILITY:
-            try:
-                call = self._utility_decoder.decode(payload)
-            except msgspec.DecodeError as exc:  # no call id to answer: say so, serve on
-                print(f"trillm engine: an unreadable control call: {exc}", file=sys.stderr)
-                return
-            self.controls.call(call)
-        elif kind == P.SHUTDOWN:
-            shutdown = self._shutdown_decoder.decode(payload)
-            self.is_paused = False  # a drain steps what is left
-            if shutdown.mode == "abort" or self.sleep_level:  # asleep, nothing can step
-                self._abort_all()
-                self._draining_until = time.monotonic()
-            else:
-                self._draining_until = time.monotonic() + max(0.0, shutdown.timeout)
-        else:
-            raise ValueError(f"unknown request-ring record kind {kind}")
-
-    def _digest(self, header: P.AddHeader) -> bytes:
-        try:
-            return self.loras.digest_of(header.lora_id)
-        except KeyError:
-            raise InvalidRequestError(
-                f"LoRA adapter id {header.lora_id} is not loaded (unloaded meanwhile?)"
-            ) from None
-
-    def abort(self, rnums: list[int]) -> None:
-        if self._grammars is not None:
-            for rnum in rnums:
-                self._grammars.cancel(rnum)
-        if self.scheduler.abort_requests(rnums):
-            self._needs_flush = True
-
-    # -- structured outputs ----------------------------------------------------------------
-
-    def _grammars_for_requests(self) -> Grammars:
-        if self._grammars is None:
-            model = self.executor.model_config
-            path = self.config.tokenizer or self.config.worker.model
-            vocab, eos = model.vocab_size, list(model.eos_token_ids)
-            self._grammars = Grammars(
-                lambda: load_ll_tokenizer(path, vocab, eos),
-                vocab,
-                timeout=self.config.structured_outputs_timeout,
-            )
-        return self._grammars
-
-    def _admit_compiled(self) -> None:
-        """Queue the requests whose grammar compiled; fail those whose compile failed."""
-        if self._grammars is None or not self._grammars.num_pending:
-            return
-        ready, failed = self._grammars.poll()
-        for rnum, state in ready:
-            self.scheduler.grammar_ready(rnum, state)
-        for rnum, message in failed:
-            if self.scheduler.grammar_failed(rnum):
-                print(f"trillm engine: request {rnum} failed: {message}", file=sys.stderr)
-                self._rejected.append(rnum)
-                self._send_event(P.RequestError(rnum, message))
-                self._needs_flush = True
-
     def held_loras(self) -> set[int]:
         return {r.lora_id for r in self.scheduler.requests.values() if r.lora_id}
 
@@ -393,9 +280,6 @@ class EngineCore:
         """Unloaded adapters whose last request ended leave the workers (`LoraRegistry`)."""
         if self.loras.retiring:
             self.loras.retire(self.held_loras())
-
-    def _abort_all(self) -> None:
-        self.abort(self.scheduler.unfinished_rnums())
 
     def answer(self, result: P.UtilityResult) -> None:
         """Send a control call's answer: after the STEP record of a step it was read in."""
