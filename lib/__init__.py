@@ -12,7 +12,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "open_llm": "trillm.engine.client._async_llm",
+    "open_llm": "trillm.engine.client._open_llm",
     "AsyncLLM": "trillm.engine.client._async_llm",
     "LLM": "trillm.engine.client._llm",
     "RequestOutput": "trillm.engine.client.outputs._request_output",

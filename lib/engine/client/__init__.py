@@ -11,7 +11,6 @@ from ..protocol import EngineConfigError as EngineConfigError
 from ..protocol import FinishReason as FinishReason
 from ..protocol import RemoteError as RemoteError
 from ._async_llm import AsyncLLM as AsyncLLM
-from ._async_llm import open_llm as open_llm
 from ._config import LLMConfig as LLMConfig
 from ._errors import ChatTemplateError as ChatTemplateError
 from ._errors import DataParallelRankError as DataParallelRankError
@@ -22,6 +21,7 @@ from ._errors import PinnedEngineDeadError as PinnedEngineDeadError
 from ._errors import PromptTooLongError as PromptTooLongError
 from ._errors import RequestFailedError as RequestFailedError
 from ._llm import LLM as LLM
+from ._open_llm import open_llm as open_llm
 from .engines._launch import EngineStartError as EngineStartError
 from .engines._restarts import RestartPolicy as RestartPolicy
 from .inputs._grammar_budget import MAX_STRUCTURED_DEPTH as MAX_STRUCTURED_DEPTH

@@ -1,53 +1,44 @@
 """`AsyncLLM`: the trio frontend's client of the engine processes (DESIGN.md §8).
 
-`open_llm` spawns the engine (or `data_parallel_size` engines) under supervision, loads the
-tokenizer meanwhile, and waits for READY. `AsyncLLM` owns requests: `prepare` checks one
-(token ids, length, constraint) once, `generate` sends it and streams its outputs, and
-`complete`, `chat` and `utility` build on them. The engines, their states, deaths, restarts
-and the routing of a request to one of them are the `EnginePool`'s (`_engine_pool`). With
-`in_process` the one engine is a thread of this process (`_inproc`).
+`open_llm` (`_open_llm`) spawns the engine (or `data_parallel_size` engines) under
+supervision, loads the tokenizer meanwhile, and waits for READY. `AsyncLLM` owns requests:
+`prepare` checks one (token ids, length, constraint) once, `generate` sends it and streams
+its outputs, and `complete`, `chat` and `utility` build on them; `encode` sends a pooling
+one. Both kinds go out and are aborted on exit through `_submit.open_request`. The engines,
+their states, deaths, restarts and the routing of a request to one of them are the
+`EnginePool`'s (`_engine_pool`). With `in_process` the one engine is a thread of this
+process (`_inproc`). The constraint check is `inputs._structured_check`'s, LoRA loads
+across the engines `inputs._lora`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
+import functools
 import itertools
-import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, cast
+from typing import Any
 
-import msgspec
 import trio
 
 from ...common.wire import LoraModule, PoolingType, SamplingOptions
 from ..protocol import _messages as P
 from ._config import LLMConfig
-from ._errors import (
-    DataParallelRankError,
-    EngineDeadError,
-    RequestFailedError,
-)
+from ._errors import EngineDeadError
+from ._submit import open_request
 from .engines._engine_pool import EnginePool
 from .engines._restarts import RestartPolicy
 from .inputs._input_processor import InputProcessor
-from .inputs._lora import LoraAdapters
+from .inputs._lora import LoraAdapters, load_on_engines, unload_on_engines
 from .inputs._prepared import PreparedRequest
 from .inputs._prompt_embeds import PromptEmbeds
 from .inputs._sampling_params import SamplingParams
-from .inputs._structured import (
-    GrammarChecker,
-    StructuredOutputError,
-    after_reasoning,
-    build_ll_tokenizer,
-    free_text,
-)
+from .inputs._structured_check import StructuredCheck
 from .inputs._tokenizer import load_tokenizer
-from .outputs._output_processor import OutputProcessor
+from .outputs._output_processor import OutputProcessor, RequestState
 from .outputs._outputs import Mailbox, Output
 from .outputs._pooling import PoolingOutput
-from .outputs._streams import RequestStream
+from .outputs._streams import RequestStream, wait_pooled
 from .outputs._token_pieces import TokenPieces
 
 
@@ -57,7 +48,12 @@ class AsyncLLM:
     def __init__(self, config: LLMConfig) -> None:
         self.config = config
         self.tokenizer: Any = None
-        self._grammar_checker: GrammarChecker | None = None
+        self._structured = StructuredCheck(
+            lambda: (self.tokenizer, self.ready.vocab_size),
+            reasoning_parser=config.reasoning_parser,
+            timeout=config.engine.structured_outputs_timeout,
+            budget=config.grammar_budget,
+        )
         self._chat_template: str | None = None  # LLMConfig.chat_template's text
         self._inputs: InputProcessor  # made once the tokenizer and READY are there
         self._rnums = itertools.count(1)
@@ -140,26 +136,12 @@ class AsyncLLM:
         self.engines.check_alive()
         params = params or SamplingParams()
         lora_id = self.loras.id_of(lora_name)
-        size = len(self.engines)
-        if data_parallel_rank is not None and not 0 <= data_parallel_rank < size:
-            raise DataParallelRankError(
-                f"data_parallel_rank must be in [0, {size}) (the data-parallel size), got "
-                f"{data_parallel_rank}"
-            )
-
-        embeds = prompt if isinstance(prompt, PromptEmbeds) else None
-
-        def checked() -> tuple[list[int], int]:
-            if embeds is not None:
-                enabled = self.config.enable_prompt_embeds
-                ids = self._inputs.embeds_ids(embeds, enabled=enabled)
-            else:
-                ids = self._inputs.tokenize(cast(str | Sequence[int], prompt))
-            return ids, self._inputs.check_length(len(ids), params)
-
+        self.engines.check_rank(data_parallel_rank)
+        enabled = self.config.enable_prompt_embeds
+        checked = functools.partial(self._inputs.prompt_ids, prompt, params, embeds=enabled)
         token_ids, max_tokens = checked() if run is None else await run(checked)
         grammar = await self.check_structured(params)
-        data = b"" if embeds is None else embeds.data
+        data = prompt.data if isinstance(prompt, PromptEmbeds) else b""
         rank = data_parallel_rank
         return PreparedRequest(token_ids, params, max_tokens, grammar, rank, data, lora_id)
 
@@ -202,42 +184,15 @@ class AsyncLLM:
             for i in range(params.n)
         ]
         for state in states:
-            state.engine = engine.index
             state.lora_id = request.lora_id
-            self._processor.add(state)
-        loads = self.engines.router.loads
-        loads[engine.index] += params.n
-        try:
-            for state in states:
-                options = params.child_options(state.index, vocab_size=self.ready.vocab_size)
-                state.options, state.max_tokens = options, request.max_tokens
-                state.grammar = request.grammar
-                try:
-                    await engine.send_add(
-                        state.rnum,
-                        options,
-                        request.max_tokens,
-                        token_ids,
-                        request.grammar,
-                        cache_salt=state.cache_salt,
-                        prompt_embeds=request.prompt_embeds,
-                        lora_id=request.lora_id,
-                    )
-                except trio.BrokenResourceError:
-                    self.engines.check_engine(engine)
-                    raise
-                state.on_engine = True
+
+        def fill(state: RequestState) -> None:
+            options = params.child_options(state.index, vocab_size=self.ready.vocab_size)
+            state.options, state.max_tokens = options, request.max_tokens
+            state.grammar = request.grammar
+
+        async with open_request(self.engines, engine, states, fill):
             yield RequestStream(mailbox, params.n)
-        finally:
-            loads[engine.index] -= params.n
-            unfinished = [s.rnum for s in states if not s.finished]
-            for rnum in unfinished:
-                self._processor.forget(rnum)
-            if unfinished and not engine.dead:
-                # it may die meanwhile: its requests are gone with it
-                gone = (trio.BrokenResourceError, trio.ClosedResourceError)
-                with trio.CancelScope(shield=True), contextlib.suppress(*gone):
-                    await engine.send_abort(unfinished)
 
     async def complete(
         self,
@@ -300,33 +255,9 @@ class AsyncLLM:
         engine = await self.engines.choose(ids, cache_salt or "")
         mailbox = Mailbox()
         state = self._inputs.new_state(next(self._rnums), mailbox, 0, ids, params)
-        state.engine, state.options, state.max_tokens = engine.index, options, 1
-        self._processor.add(state)
-        self.engines.router.loads[engine.index] += 1
-        try:
-            try:
-                await engine.send_add(state.rnum, options, 1, ids, cache_salt=state.cache_salt)
-            except trio.BrokenResourceError:
-                self.engines.check_engine(engine)
-                raise
-            state.on_engine = True
-            while True:
-                for output in await mailbox.get():
-                    if not output.finished:
-                        continue
-                    if output.pooled is None:
-                        raise RequestFailedError(
-                            f"the pooling request ended ({output.finish_reason}) without a result"
-                        )
-                    return PoolingOutput(output.pooled, len(ids), output.num_cached_tokens)
-        finally:
-            self.engines.router.loads[engine.index] -= 1
-            if not state.finished:
-                self._processor.forget(state.rnum)
-                if not engine.dead:
-                    gone = (trio.BrokenResourceError, trio.ClosedResourceError)
-                    with trio.CancelScope(shield=True), contextlib.suppress(*gone):
-                        await engine.send_abort([state.rnum])
+        state.options, state.max_tokens = options, 1
+        async with open_request(self.engines, engine, [state]):
+            return await wait_pooled(mailbox, len(ids))
 
     def apply_chat_template(
         self,
@@ -388,30 +319,7 @@ class AsyncLLM:
         Raises:
             StructuredOutputError: invalid, too large, or not checked in time.
         """
-        budget, parser = params.thinking_token_budget, self.config.reasoning_parser
-        if budget is not None and parser is None:
-            raise StructuredOutputError(
-                "thinking_token_budget",
-                "thinking_token_budget needs a reasoning model: this server runs no reasoning "
-                "parser (start it with --reasoning-parser), so it has no thinking to bound",
-            )
-        if params.structured_outputs is None:
-            return (
-                ""
-                if budget is None or parser is None
-                else after_reasoning(free_text(parser), parser, budget)
-            )
-        if self._grammar_checker is None:
-            tokenizer, vocab = self.tokenizer, self.ready.vocab_size
-            self._grammar_checker = GrammarChecker(
-                lambda: build_ll_tokenizer(tokenizer, vocab),
-                timeout=self.config.engine.structured_outputs_timeout,
-                budget=self.config.grammar_budget,
-            )
-        grammar = await self._grammar_checker.check(params.structured_outputs)
-        if parser is not None:
-            grammar = after_reasoning(grammar, parser, budget)
-        return grammar
+        return await self._structured.check(params)
 
     async def utility(
         self, method: str, engine: int | None = None, args: list[object] | None = None
@@ -445,22 +353,8 @@ class AsyncLLM:
             ValueError: an engine refused it (LoRA off, a bad adapter); the message says why,
                 and no engine keeps it.
         """
-        module = self.loras.new(name, path, base_model_name)
-        args: list[object] = [name, path, base_model_name, module.lora_int_id]
-        loaded: list[int] = []
-        try:
-            for engine in self.live_engines():
-                digest = await self.utility("load_lora_adapter", engine, args)
-                module = msgspec.structs.replace(module, digest=str(digest))
-                loaded.append(engine)
-        except BaseException:
-            with trio.CancelScope(shield=True):
-                for engine in loaded:
-                    with contextlib.suppress(Exception):
-                        await self.utility("unload_lora_adapter", engine, [module.lora_int_id])
-            raise
-        self.loras.add(module)
-        return module
+        engines = self.live_engines()
+        return await load_on_engines(self.loras, self.utility, engines, name, path, base_model_name)
 
     async def unload_lora_adapter(self, name: str) -> LoraModule:
         """Unload adapter `name`: new requests for it are refused at once; requests running
@@ -469,11 +363,8 @@ class AsyncLLM:
         Raises:
             LoraNotFoundError: no adapter of that name is loaded.
         """
-        module = self.loras.remove(name)
-        for engine in self.live_engines():
-            with contextlib.suppress(ValueError):  # an engine restarted without it
-                await self.utility("unload_lora_adapter", engine, [module.lora_int_id])
-        return module
+        engines = self.live_engines()
+        return await unload_on_engines(self.loras, self.utility, engines, name)
 
     # -- life ----------------------------------------------------------------------------
 
@@ -500,49 +391,3 @@ class AsyncLLM:
 
     def _tokenizer_path(self) -> str:
         return self.config.tokenizer or self.config.engine.worker.model
-
-
-@asynccontextmanager
-async def open_llm(config: LLMConfig) -> AsyncIterator[AsyncLLM]:
-    """Start the engine process and yield an `AsyncLLM`; on exit shut the engine down.
-
-    Raises:
-        EngineStartError: the engine failed before READY (bad model path, out of memory...),
-            with its own message.
-    """
-    with lora_cache(config) as config:
-        async with _open_llm(config) as llm:
-            yield llm
-
-
-@contextlib.contextmanager
-def lora_cache(config: LLMConfig) -> Iterator[LLMConfig]:
-    """`config` with a private directory (0700) for the checked copies of the LoRA
-    adapters' files (`WorkerConfig.lora_cache_dir`), removed at exit; owned here, not by an
-    engine, so a restarted engine reads the bytes checked before."""
-    worker = config.engine.worker
-    if not worker.enable_lora or worker.lora_cache_dir:
-        yield config
-        return
-    with tempfile.TemporaryDirectory(prefix="trillm-lora-") as directory:
-        worker = dataclasses.replace(worker, lora_cache_dir=directory)
-        engine = msgspec.structs.replace(config.engine, worker=worker)
-        yield dataclasses.replace(config, engine=engine)
-
-
-@asynccontextmanager
-async def _open_llm(config: LLMConfig) -> AsyncIterator[AsyncLLM]:
-    llm = AsyncLLM(config)
-    try:
-        async with trio.open_nursery() as nursery:
-            try:
-                await llm._start(nursery)
-                yield llm
-            finally:
-                with trio.CancelScope(shield=True):
-                    await llm.engines.shutdown()
-                nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:  # one error (ours or the caller's): raise it as is
-        if len(group.exceptions) == 1:
-            raise group.exceptions[0] from group.exceptions[0].__cause__
-        raise

@@ -220,7 +220,7 @@ async def test_an_engine_compile_past_its_timeout_fails_only_that_request(
     # In process: the deadline is the engine core's, the same on a thread (no process start).
     async with open_llm(config(tiny_dir, timeout=1e-9, in_process=True)) as llm:
         tokenizer, vocab = llm.tokenizer, llm.ready.vocab_size
-        llm._grammar_checker = GrammarChecker(
+        llm._structured.checker = GrammarChecker(
             lambda: build_ll_tokenizer(tokenizer, vocab), timeout=60
         )
         # Tens of ms to compile: far past the deadline at the engine's first poll (2 ms).

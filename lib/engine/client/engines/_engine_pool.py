@@ -25,7 +25,12 @@ from ....common.wire import LoraModule
 from ...protocol import _messages as P
 from ...protocol._errors import RemoteError
 from .._config import LLMConfig
-from .._errors import EngineDeadError, EngineRestartingError, PinnedEngineDeadError
+from .._errors import (
+    DataParallelRankError,
+    EngineDeadError,
+    EngineRestartingError,
+    PinnedEngineDeadError,
+)
 from ..outputs._output_processor import OutputProcessor
 from ._engine_client import EngineClient
 from ._launch import EngineStartError
@@ -118,6 +123,18 @@ class EnginePool:
         """Raise the pool's `EngineDeadError` once no engine serves or comes back."""
         if self.error is not None:
             raise self.error
+
+    def check_rank(self, rank: int | None) -> None:
+        """Check a request's `data_parallel_rank` (None: the router chooses).
+
+        Raises:
+            DataParallelRankError: `rank` is not in [0, data_parallel_size).
+        """
+        size = len(self)
+        if rank is not None and not 0 <= rank < size:
+            raise DataParallelRankError(
+                f"data_parallel_rank must be in [0, {size}) (the data-parallel size), got {rank}"
+            )
 
     def check_engine(self, client: EngineClient) -> None:
         """Raise why engine `client` is not serving, if it is not."""

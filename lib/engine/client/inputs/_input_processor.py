@@ -114,6 +114,23 @@ class InputProcessor:
         embeds.check(self.ready.hidden_size, self.ready.max_model_len)
         return [0] * embeds.num_tokens
 
+    def prompt_ids(
+        self, prompt: str | Sequence[int] | PromptEmbeds, params: SamplingParams, *, embeds: bool
+    ) -> tuple[list[int], int]:
+        """A generation prompt's token ids (placeholders for a `PromptEmbeds` one, taken
+        only if `embeds`: `LLMConfig.enable_prompt_embeds`) and its request's max_tokens,
+        each checked against the model (`AsyncLLM.prepare`'s).
+
+        Raises:
+            PromptEmbedsError, InvalidPromptError, PromptTooLongError: as `embeds_ids`,
+                `tokenize` and `check_length`.
+        """
+        if isinstance(prompt, PromptEmbeds):
+            ids = self.embeds_ids(prompt, enabled=embeds)
+        else:
+            ids = self.tokenize(prompt)
+        return ids, self.check_length(len(ids), params)
+
     def check_length(self, num_prompt: int, params: SamplingParams) -> int:
         """The request's max_tokens, checked against the model's maximum length.
 

@@ -6,15 +6,24 @@ adapter under the same id) and sends the id with each request. The engines hold 
 and check them: a load at run time is answered only once every engine accepted it. A
 restarted engine gets the adapters of the moment in its config (`modules`), so requests
 resumed on it keep theirs.
+
+Here too, what `AsyncLLM` does with them across its engines: a load on every live engine
+(undone on those that took it when one refuses: `load_on_engines`), and an unload.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Awaitable, Callable, Sequence
 
 import msgspec
+import trio
 
 from ....common.wire import LoraModule, numbered
+
+# `AsyncLLM.utility`: (method, engine, args) -> its result; ValueError when refused.
+Utility = Callable[[str, int | None, list[object] | None], Awaitable[object]]
 
 
 class LoraNotFoundError(ValueError):
@@ -101,3 +110,53 @@ class LoraAdapters:
         if module is None:
             raise LoraNotFoundError(f"LoRA adapter {name!r} is not loaded")
         return module
+
+
+async def load_on_engines(
+    adapters: LoraAdapters,
+    utility: Utility,
+    engines: Sequence[int],
+    name: str,
+    path: str,
+    base_model_name: str | None = None,
+) -> LoraModule:
+    """Load adapter `name` (a PEFT directory) on each of `engines`, then add it to
+    `adapters` (`AsyncLLM.load_lora_adapter`).
+
+    Raises:
+        LoraAdapterExistsError: `name` is loaded already.
+        ValueError: an engine refused it (LoRA off, a bad adapter); the message says why,
+            and no engine keeps it.
+    """
+    module = adapters.new(name, path, base_model_name)
+    args: list[object] = [name, path, base_model_name, module.lora_int_id]
+    loaded: list[int] = []
+    try:
+        for engine in engines:
+            digest = await utility("load_lora_adapter", engine, args)
+            module = msgspec.structs.replace(module, digest=str(digest))
+            loaded.append(engine)
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            for engine in loaded:
+                with contextlib.suppress(Exception):
+                    await utility("unload_lora_adapter", engine, [module.lora_int_id])
+        raise
+    adapters.add(module)
+    return module
+
+
+async def unload_on_engines(
+    adapters: LoraAdapters, utility: Utility, engines: Sequence[int], name: str
+) -> LoraModule:
+    """Remove adapter `name` from `adapters`, then unload it on each of `engines`
+    (`AsyncLLM.unload_lora_adapter`).
+
+    Raises:
+        LoraNotFoundError: no adapter of that name is loaded.
+    """
+    module = adapters.remove(name)
+    for engine in engines:
+        with contextlib.suppress(ValueError):  # an engine restarted without it
+            await utility("unload_lora_adapter", engine, [module.lora_int_id])
+    return module

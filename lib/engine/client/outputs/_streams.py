@@ -1,10 +1,13 @@
-"""What `AsyncLLM` hands out: request streams (`prompt_logprobs_output` lives in
-`_output_processor`, with the rest of the per-record work; re-exported here)."""
+"""What `AsyncLLM` hands out: request streams, and a pooling request's result
+(`prompt_logprobs_output` lives in `_output_processor`, with the rest of the per-record
+work; re-exported here)."""
 
 from __future__ import annotations
 
+from .._errors import RequestFailedError
 from ._output_processor import prompt_logprobs_output as prompt_logprobs_output
 from ._outputs import Mailbox, Output
+from ._pooling import PoolingOutput
 
 
 class RequestStream:
@@ -31,3 +34,20 @@ class RequestStream:
         if output.finished:
             self._unfinished -= 1
         return output
+
+
+async def wait_pooled(mailbox: Mailbox, num_prompt_tokens: int) -> PoolingOutput:
+    """A pooling request's result, from its mailbox once it finished (`AsyncLLM.encode`).
+
+    Raises:
+        RequestFailedError: it finished without a result (the reason says how).
+    """
+    while True:
+        for output in await mailbox.get():
+            if not output.finished:
+                continue
+            if output.pooled is None:
+                raise RequestFailedError(
+                    f"the pooling request ended ({output.finish_reason}) without a result"
+                )
+            return PoolingOutput(output.pooled, num_prompt_tokens, output.num_cached_tokens)
