@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from trillm.gpu.cpu import _cpu_decode, _native
-from trillm.gpu.cpu._cpu_decode_model import Layer, Model
+from trillm.gpu.cpu._decode_structs import Layer, Model
 from trillm.gpu.cpu._hugepages import on_huge_pages
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M

@@ -89,7 +89,7 @@ def test_the_flags_default_to_their_fields_but_where_the_server_says_otherwise()
     parsed = vars(build_parser().parse_args(["serve"]))
     options = serve_options()
     assert set(parsed) == {"command", "model", *options}
-    # A repeatable flag's list becomes its field's tuple (`config.fields_from`).
+    # A repeatable flag's list becomes its field's tuple (`flags.fields_from`).
     taken = {d: tuple(v) if options[d].flag.many else v for d, v in parsed.items() if d in options}
     differ = {dest for dest, o in options.items() if o.default != taken[dest]}
     assert differ == set()

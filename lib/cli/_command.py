@@ -77,12 +77,13 @@ def raise_open_files_limit() -> None:
 
 def serve_config(args: argparse.Namespace) -> tuple[ServeCommand, ServerConfig]:
     """The command's own flags and the server's configs from `args`: each config takes the
-    values of the flags its fields declare (`trillm.common.config.fields_from`).
+    values of the flags its fields declare (`trillm.common.flags.fields_from`).
 
     Raises:
         ValueError: a value out of range, or flags that do not go together (named).
     """
-    from ..common.config import WorkerConfig, fields_from, options_of
+    from ..common.config import WorkerConfig
+    from ..common.flags import fields_from, options_of
     from ..default_model import DEFAULT_MODEL_NAME, default_model_dir, find_default_gguf
     from ..http import ServerConfig, build_config, read_api_key
 

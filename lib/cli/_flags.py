@@ -1,4 +1,4 @@
-"""`trillm serve`'s flags, built from the declarations on the configs' fields (`config.Flag`).
+"""`trillm serve`'s flags, built from the declarations on the configs' fields (`flags.Flag`).
 
 A flag is one field: `WorkerConfig`, `EngineConfig`, `LLMConfig`, `ServeConfig` and
 `ServerConfig` declare theirs (`ServerConfig.options` gathers the server's), `ServeCommand`
@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..common.config import Option, WorkerConfig, flag, options_of
+from ..common.config import WorkerConfig
+from ..common.flags import Option, flag, options_of
 
 
 @dataclass(frozen=True)

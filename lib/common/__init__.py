@@ -1,5 +1,5 @@
 """Records and configuration every process reads: the device config, speculative decoding's,
-the wire records of a step, process plumbing.
+the flag declarations, the wire records of a step, process plumbing.
 
 Imported by the `trillm` parent, the API process, the engine and the workers alike, so it
 imports nothing else of trillm and never loads torch (`tests/test_layering.py`). Its modules

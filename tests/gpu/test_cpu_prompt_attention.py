@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from trillm.gpu.cpu import _native
-from trillm.gpu.cpu._cpu_decode_model import Layer, Model
+from trillm.gpu.cpu._decode_structs import Layer, Model
 from trillm.gpu.cpu._tiles import tiled_kernels
 
 pytestmark = [

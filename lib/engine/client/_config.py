@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from ...common.config import flag
+from ...common.flags import flag
 from ..protocol._config import EngineConfig
 from ..protocol._messages import MIN_WATCHDOG_TIMEOUT
 from .inputs._grammar_budget import MAX_GRAMMAR_BYTES, MAX_STRUCTURED_DEPTH, GrammarBudget

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import msgspec
 
-from ...common.config import Flag, Option, WorkerConfig, options_of
+from ...common.config import WorkerConfig
+from ...common.flags import Flag, Option, options_of
 from ...common.wire import LoraModule, parse_lora_module
 from ...transport_shm import RingAddress
 
@@ -127,7 +128,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # The `trillm serve` flags of `EngineConfig`'s fields (a Struct's fields carry no metadata;
-# `trillm.common.config.Flag`). The server sets `worker_watchdog_timeout` from
+# `trillm.common.flags.Flag`). The server sets `worker_watchdog_timeout` from
 # `LLMConfig.watchdog_timeout` (--engine-watchdog-timeout).
 ENGINE_FLAGS = {
     "tensor_parallel_size": Flag(("--tensor-parallel-size", "-tp")),

@@ -40,8 +40,9 @@ from ..attention._attention import QkvAttention
 from ..models.llama import KVCache, LlamaForCausalLM
 from . import _native
 from ._cpu_decode_model import CpuDecodeUnsupported as CpuDecodeUnsupported
-from ._cpu_decode_model import Layer, layer_weights, model_struct, unsupported
+from ._cpu_decode_model import layer_weights, model_struct, unsupported
 from ._decode_paths import C_STEP, TORCH, DecodePaths
+from ._decode_structs import Layer
 from ._tiles import (
     BF16,
     BF16_AMX,

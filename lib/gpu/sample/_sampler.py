@@ -27,7 +27,8 @@ from typing import NamedTuple
 
 import torch
 
-from ._sampling_batch import LogitEdits, PenaltyRows, RandomRows, SamplingBatch
+from ._sampling_batch import SamplingBatch
+from ._sampling_groups import LogitEdits, PenaltyRows, RandomRows
 
 # Exp(1) noise is clamped away from 0: probs 0 / noise 0 would be NaN, which argmax picks.
 _TINY = torch.finfo(torch.float32).tiny

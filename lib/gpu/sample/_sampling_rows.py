@@ -15,10 +15,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ._sampling_batch import (
+from ._sampling_batch import SamplingBatch
+from ._sampling_columns import (
     COLUMN_DEFAULTS,
     COLUMN_DTYPES,
-    SamplingBatch,
     SamplingColumns,
     needs_state,
     option_columns,

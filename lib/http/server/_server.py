@@ -29,7 +29,8 @@ import msgspec.structs
 import trio
 from hypercorn.config import Config as HypercornConfig
 
-from ...common.config import Flag, Option, WorkerConfig, fields_from, flag, options_of
+from ...common.config import WorkerConfig
+from ...common.flags import Flag, Option, fields_from, flag, options_of
 from ...common.process import set_title
 from ...engine.client import (
     REASONING_PARSERS,
