@@ -232,6 +232,67 @@ def test_the_api_faces_meet_only_in_edge_and_turn() -> None:
     assert not gone, f"crossings no longer there: take them out of CROSSINGS_TO_GO: {gone}"
 
 
+def import_time_targets(path: Path, modules: set[str], lib: Path = LIB) -> set[str]:
+    """Which of `modules` the module at `path` imports when it is imported: by its top-level
+    statements (and classes, `try`, `if`), not its functions nor `if TYPE_CHECKING:`.
+    `from PKG import a` imports PKG unless `a` is one of PKG's modules (then only `a`:
+    PKG is the package being initialised)."""
+    rel = path.relative_to(lib)
+    parts = list(rel.with_suffix("").parts)
+    package = ["trillm", *parts[:-1]]  # lib/gpu/x.py and lib/gpu/__init__.py: trillm.gpu
+    found: set[str] = set()
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.If):
+                if not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+                    visit(node.body)
+                    visit(node.orelse)
+            elif isinstance(node, ast.ClassDef | ast.With):
+                visit(node.body)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+                for handler in node.handlers:
+                    visit(handler.body)
+                visit(node.finalbody)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level == 0:
+                    base = (node.module or "").split(".")
+                else:
+                    base = package[: len(package) - (node.level - 1)]
+                    base += node.module.split(".") if node.module else []
+                names = {".".join([*base, alias.name]) for alias in node.names}
+                found.update(names & modules if names <= modules else {".".join(base)})
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+
+    visit(ast.parse(path.read_text()).body)
+    return found & modules
+
+
+def module_name(path: Path, lib: Path = LIB) -> str:
+    parts = list(path.relative_to(lib).with_suffix("").parts)
+    return ".".join(["trillm", *(parts[:-1] if parts[-1] == "__init__" else parts)])
+
+
+def test_no_import_cycle_between_modules() -> None:
+    paths = {module_name(p): p for p in LIB.rglob("*.py")}
+    graph = {m: import_time_targets(p, set(paths)) - {m} for m, p in paths.items()}
+    done: set[str] = set()
+    cycles = []
+    for start in sorted(graph):  # a depth-first walk; a module seen on its own path is a cycle
+        stack: list[tuple[str, list[str]]] = [(start, [start])]
+        while stack:
+            node, path = stack.pop()
+            for nxt in sorted(graph[node]):
+                if nxt == start:
+                    cycles.append(" -> ".join([*path, nxt]))
+                elif nxt not in path and nxt not in done:
+                    stack.append((nxt, [*path, nxt]))
+        done.add(start)
+    assert not cycles, f"modules that import each other when imported: {cycles[:5]}"
+
+
 def test_the_room_rule_sees_relative_imports(tmp_path: Path) -> None:
     module = tmp_path / "http" / "responses" / "_probe.py"
     module.parent.mkdir(parents=True)
