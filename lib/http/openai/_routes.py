@@ -1,7 +1,8 @@
 """The OpenAI face's generation routes: `POST /v1/completions` and `/v1/chat/completions`.
 
 Each reads, admits, decodes and checks its request with the app's steps (`edge.Edge`), pins
-it to the data-parallel rank its header or body asks for, and runs it (`Generation`).
+it to the data-parallel rank its header or body asks for, and runs it
+(`_stream.CompletionRunner`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from ..edge._rank import pinned_rank
 from ..edge._steps import Edge, Receive, Scope, Send, header
 from ..turn._generate import Generation
 from ._requests import ChatCompletionRequest, CompletionRequest
+from ._stream import CompletionRunner
 
 
 class CompletionRoutes:
@@ -19,7 +21,7 @@ class CompletionRoutes:
 
     def __init__(self, edge: Edge, generation: Generation) -> None:
         self.edge = edge
-        self.generation = generation
+        self.runner = CompletionRunner(generation)
         self.llm = generation.llm
 
     async def completions(
@@ -31,7 +33,7 @@ class CompletionRoutes:
             self.edge.check_model(request.model)
             asked, size = header(scope, b"x-data-parallel-rank"), len(self.llm.engines)
             request.data_parallel_rank = pinned_rank(asked, request.data_parallel_rank, size)
-            await self.generation.completions(request, receive, send, extra, held)
+            await self.runner.completions(request, receive, send, extra, held)
 
     async def chat(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
         body = await self.edge.read_body(scope, receive)
@@ -40,4 +42,4 @@ class CompletionRoutes:
             self.edge.check_model(request.model)
             asked, size = header(scope, b"x-data-parallel-rank"), len(self.llm.engines)
             request.data_parallel_rank = pinned_rank(asked, request.data_parallel_rank, size)
-            await self.generation.chat(request, receive, send, extra, held)
+            await self.runner.chat(request, receive, send, extra, held)
