@@ -153,15 +153,14 @@ MODELS_NEVER_IMPORT = {"runner", "worker", "loader", "sample", "spec_decode", "l
 # runs, imports no face.
 HTTP_FACES = {"openai", "responses", "anthropic", "pooling", "extras"}
 # Today's crossings: the OpenAI chat schema is still the internal format that the Responses and
-# Messages faces translate into (issue 49 item 3, the face-neutral conversation record), and
-# the pooling face's `Edge` stands in for the one exchange object (item 2). Each goes with its
-# item; no other may appear.
+# Messages faces translate into (issue 49 item 3, the face-neutral conversation record); the
+# `Edge` that stands in for the one exchange object (item 2) is edge's now (`edge/_steps`).
+# Each goes with its item; no other may appear.
 CROSSINGS_TO_GO = {
     ("anthropic/_api.py", "openai"),
     ("responses/_api.py", "openai"),
     ("responses/_face.py", "openai"),
     ("extras/_tokenize_api.py", "openai"),
-    ("extras/_tokenize_api.py", "pooling"),
     ("turn/_generate.py", "openai"),
     ("turn/_inputs.py", "openai"),
 }

@@ -24,7 +24,8 @@ import pytest
 
 import trillm
 from trillm.cli import build_parser
-from trillm.http.edge._app import App, ServeConfig
+from trillm.http.edge._app import App
+from trillm.http.edge._config import ServeConfig
 from trillm.http.edge._errors import RequestError
 from trillm.http.metrics._metrics import Metrics
 from trillm.http.openai._requests import ChatCompletionRequest, CompletionRequest, template_kwargs

@@ -11,7 +11,8 @@ import pytest
 import trio
 import trio.testing
 
-from trillm.http.edge._app import App, ServeConfig
+from trillm.http.edge._app import App
+from trillm.http.edge._config import ServeConfig
 from trillm.http.metrics._metrics import Metrics
 
 KEY = "k-0123"

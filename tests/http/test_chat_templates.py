@@ -27,7 +27,8 @@ import pytest
 
 from trillm.engine import EngineConfig, LLMConfig, open_llm
 from trillm.gpu import WorkerConfig
-from trillm.http.edge._app import App, ServeConfig
+from trillm.http.edge._app import App
+from trillm.http.edge._config import ServeConfig
 from trillm.http.metrics._metrics import Metrics
 
 from .conftest import start_server

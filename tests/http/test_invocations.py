@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trillm.http.edge._app import ServeConfig
+from trillm.http.edge._config import ServeConfig
 
 from .test_tokenize_api import app_client
 

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from trillm.http.edge._app import ServeConfig
+from trillm.http.edge._config import ServeConfig
 
 from .conftest import Server, start_server
 from .test_tokenize_api import app_client

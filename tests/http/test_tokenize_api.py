@@ -13,7 +13,8 @@ import httpx
 from trillm.engine import EngineConfig, LLMConfig, open_llm
 from trillm.engine.client.inputs._tokenizer import load_tokenizer
 from trillm.gpu import WorkerConfig
-from trillm.http.edge._app import App, ServeConfig
+from trillm.http.edge._app import App
+from trillm.http.edge._config import ServeConfig
 from trillm.http.metrics._metrics import Metrics
 
 

@@ -5,7 +5,9 @@ that no route can be found without it), route, read the body up to a limit (413 
 buffering more) and a deadline (408), decode into a msgspec schema (large bodies off the
 loop), admit by work (429), run. Generation handlers watch `receive()` for the client's
 disconnect and cancel their stream, which aborts the request in the engine. Errors are
-OpenAI error objects; engine death becomes a 503 (or an error event in a stream).
+OpenAI error objects; engine death becomes a 503 (or an error event in a stream). The faces'
+handlers live with their face (`openai/_routes`, `responses/_routes`, `anthropic/_routes`)
+and take the app's steps as `_steps.Edge`; this table names them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import logging
 import math
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec.structs
@@ -25,7 +26,7 @@ import trio
 from ... import __version__
 from ...engine.client import AsyncLLM, EngineDeadError
 from ..anthropic._api import MessagesAPI, anthropic_error_body
-from ..anthropic._schema import CountTokensRequest, MessagesRequest
+from ..anthropic._routes import MessagesRoutes
 from ..extras._chat_batch import ChatBatch
 from ..extras._dev_endpoints import DevEndpoints
 from ..extras._invocations import invocation_route, replayed
@@ -34,17 +35,15 @@ from ..extras._tokenize_api import TokenizeAPI
 from ..metrics._metrics import Metrics
 from ..openai._models_api import PREFIX as MODELS_PREFIX
 from ..openai._models_api import ModelsAPI
-from ..openai._schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    decode_request,
-    version_response,
-)
-from ..pooling._api import Edge, PoolingAPI
-from ..responses._api import ResponsesAPI, ResponsesRequest
+from ..openai._routes import CompletionRoutes
+from ..openai._schemas import decode_request, version_response
+from ..pooling._api import PoolingAPI
+from ..responses._api import ResponsesAPI
+from ..responses._routes import ITEM_PREFIX, ResponsesRoutes
 from ..responses._store import ResponseStore
 from ..turn._generate import Generation
 from ._admission import Admission, Held
+from ._config import ServeConfig
 from ._errors import (
     RequestError,
     error_body,
@@ -55,53 +54,19 @@ from ._errors import (
     too_large,
     unauthorized,
 )
-from ._offload import default_threads
-from ._rank import pinned_rank
+from ._steps import Edge, Receive, Scope, Send, header
 
 
 class ClientDisconnected(Exception):
     """The client went away before its request was read; nothing is left to answer."""
 
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 log = logging.getLogger("trillm.http")
 JSON = [(b"content-type", b"application/json")]
 S = TypeVar("S")
-MAX_HEADER_BYTES = 16 << 10  # request line and headers, however they arrive (h11, h2, h2c)
 OPEN_ROUTES = frozenset({"/health"})  # answered without the API key (routers probe it)
-ITEM_PREFIX = "/v1/responses/"  # GET and DELETE of a stored response
 ANTHROPIC_PREFIX = "/v1/messages"  # Anthropic's routes answer errors in Anthropic's shape
 DECODE_INLINE_BYTES = 32 << 10  # a smaller body decodes on the loop (under 0.5 ms)
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    """The HTTP layer's settings (the engine's are in `LLMConfig`)."""
-
-    served_model_name: str
-    api_key: str | None = None
-    max_queued_requests: int = 1024  # completions (prompts x n) admitted and not finished
-    max_prompts_per_request: int = 1024  # prompts x n in one request
-    max_body_bytes: int = 4 << 20
-    max_header_bytes: int = MAX_HEADER_BYTES
-    request_body_timeout: float | None = 30.0  # seconds for a body to arrive (None: no limit)
-    tokenizer_threads: int = field(default_factory=default_threads)
-    write_timeout: float = 30.0
-    # tool_choice "auto", and no tool_choice with tools (OpenAI's default then): on, as in
-    # SGLang and llama.cpp; off (vLLM's default) refuses such requests with a 400.
-    enable_auto_tool_choice: bool = True
-    tool_call_parser: str = "hermes"  # the tool-call format (the only one: Hermes)
-    stream_interval: int = 1  # tokens per streamed chunk, at least (the last may have fewer)
-    enable_dev_endpoints: bool = False  # the control routes of `_dev_endpoints`
-    profiler_dir: str | None = None  # where /start_profile's traces go
-    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
-    responses_store_size: int = 1024  # responses kept for GET and previous_response_id (LRU)
-    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's environment variable
-    # VLLM_ALLOW_RUNTIME_LORA_UPDATING, as a flag).
-    enable_runtime_lora_updating: bool = False
-    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (vLLM's flag)
 
 
 class App:
@@ -118,33 +83,36 @@ class App:
         self.models = ModelsAPI(
             llm, config.served_model_name, dev=config.enable_dev_endpoints, respond=self._respond
         )
+        edge = Edge(self._read_body, self._decode, self._admitted, self._check_model, self._respond)
+        self.responses = ResponsesAPI(self.generation, ResponseStore(config.responses_store_size))
+        self.messages = MessagesAPI(self.generation)
+        completions = CompletionRoutes(edge, self.generation)
+        responses = ResponsesRoutes(edge, self.responses)
+        messages = MessagesRoutes(edge, self.messages, self.admission.hold)
         self._routes: dict[tuple[str, str], Callable[..., Awaitable[None]]] = {
             ("GET", "/health"): self._health,
             ("GET", "/version"): self._version,
             ("GET", "/v1/models"): self.models.list_models,
             ("GET", "/metrics"): self._metrics,
-            ("POST", "/v1/completions"): self._completions,
-            ("POST", "/v1/chat/completions"): self._chat,
-            ("POST", "/v1/responses"): self._responses,
-            ("POST", "/v1/messages"): self._messages,
-            ("POST", "/v1/messages/count_tokens"): self._count_tokens,
+            ("POST", "/v1/completions"): completions.completions,
+            ("POST", "/v1/chat/completions"): completions.chat,
+            ("POST", "/v1/responses"): responses.create,
+            ("POST", "/v1/messages"): messages.create,
+            ("POST", "/v1/messages/count_tokens"): messages.count_tokens,
             ("POST", "/invocations"): self._invocations,
         }
         batch = ChatBatch(
-            self._chat,
+            completions.chat,
             self._read_body,
             self._respond,
             max_conversations=config.max_prompts_per_request,
         )
         self._routes[("POST", "/v1/chat/completions/batch")] = batch.handle
         self._item_routes = {
-            "GET": self._get_response,
-            "DELETE": self._delete_response,
-            "POST": self._cancel_response,  # /v1/responses/{id}/cancel
+            "GET": responses.get,
+            "DELETE": responses.delete,
+            "POST": responses.cancel,  # /v1/responses/{id}/cancel
         }
-        self.responses = ResponsesAPI(self.generation, ResponseStore(config.responses_store_size))
-        self.messages = MessagesAPI(self.generation)
-        edge = Edge(self._read_body, self._decode, self._admitted, self._check_model, self._respond)
         pooling = PoolingAPI(edge, self.generation, config.served_model_name)
         self._routes.update(pooling.routes())
         tokenize = TokenizeAPI(
@@ -209,8 +177,8 @@ class App:
             key = self.config.api_key.encode()
             # Constant time: the time taken must not tell a guesser how much of a key was right.
             # Anthropic's clients send the key as x-api-key, OpenAI's as a bearer token.
-            bearer = hmac.compare_digest(_header(scope, b"authorization") or b"", b"Bearer " + key)
-            anthropic = hmac.compare_digest(_header(scope, b"x-api-key") or b"", key)
+            bearer = hmac.compare_digest(header(scope, b"authorization") or b"", b"Bearer " + key)
+            anthropic = hmac.compare_digest(header(scope, b"x-api-key") or b"", key)
             if not (bearer or anthropic):
                 raise unauthorized()
         handler = self._routes.get((method, path))
@@ -240,7 +208,7 @@ class App:
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.config.max_body_bytes
-        declared = _header(scope, b"content-length")
+        declared = header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise too_large(limit)
         chunks, total = [], 0
@@ -307,64 +275,6 @@ class App:
                 return
         self.metrics.engine_gone(engine)
 
-    async def _completions(
-        self, scope: Scope, receive: Receive, send: Send, extra: list[Any]
-    ) -> None:
-        body = await self._read_body(scope, receive)
-        with self._admitted() as held:
-            request = await self._decode(body, CompletionRequest)
-            self._check_model(request.model)
-            header, size = _header(scope, b"x-data-parallel-rank"), len(self.llm.engines)
-            request.data_parallel_rank = pinned_rank(header, request.data_parallel_rank, size)
-            await self.generation.completions(request, receive, send, extra, held)
-
-    async def _chat(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
-        body = await self._read_body(scope, receive)
-        with self._admitted() as held:
-            request = await self._decode(body, ChatCompletionRequest)
-            self._check_model(request.model)
-            header, size = _header(scope, b"x-data-parallel-rank"), len(self.llm.engines)
-            request.data_parallel_rank = pinned_rank(header, request.data_parallel_rank, size)
-            await self.generation.chat(request, receive, send, extra, held)
-
-    async def _responses(
-        self, scope: Scope, receive: Receive, send: Send, extra: list[Any]
-    ) -> None:
-        body = await self._read_body(scope, receive)
-        with self._admitted() as held:
-            request = await self._decode(body, ResponsesRequest)
-            self._check_model(request.model)
-            await self.responses.create(request, held, receive, send, extra)
-
-    async def _messages(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
-        body = await self._read_body(scope, receive)
-        with self._admitted() as held:
-            request = await self._decode(body, MessagesRequest)
-            self._check_model(request.model)
-            await self.messages.create(request, held, receive, send, extra)
-
-    async def _count_tokens(
-        self, scope: Scope, receive: Receive, send: Send, extra: list[Any]
-    ) -> None:
-        body = await self._read_body(scope, receive)
-        with self.admission.hold():  # as /tokenize: it holds a tokenizer thread
-            request = await self._decode(body, CountTokensRequest)
-            self._check_model(request.model)
-            answer = await self.messages.count_tokens(request)
-        await self._respond(send, 200, answer, extra)
-
-    async def _get_response(
-        self, scope: Scope, receive: Receive, send: Send, extra: list[Any]
-    ) -> None:
-        stored = self.responses.store.get(scope["path"][len(ITEM_PREFIX) :])
-        await self._respond(send, 200, stored, extra)
-
-    async def _delete_response(
-        self, scope: Scope, receive: Receive, send: Send, extra: list[Any]
-    ) -> None:
-        body = self.responses.store.delete(scope["path"][len(ITEM_PREFIX) :])
-        await self._respond(send, 200, body, extra)
-
     async def _invocations(
         self, scope: Scope, receive: Receive, send: Send, extra: list[Any]
     ) -> None:
@@ -373,15 +283,6 @@ class App:
         if handler is None:
             raise not_found("route for this /invocations body (this server serves no embeddings)")
         await handler(scope, replayed(body, receive), send, extra)
-
-    async def _cancel_response(
-        self, scope: Scope, receive: Receive, send: Send, extra: list[Any]
-    ) -> None:
-        response_id, _, rest = scope["path"][len(ITEM_PREFIX) :].partition("/")
-        if rest != "cancel":
-            raise RequestError(405, f"method POST is not allowed on {scope['path']}")
-        body = await self.responses.background.cancel(response_id)
-        await self._respond(send, 200, body, extra)
 
     async def run_background(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -432,15 +333,8 @@ class App:
                 self.generation.inflight -= 1
 
 
-def _header(scope: Scope, name: bytes) -> bytes | None:
-    for key, value in scope.get("headers", ()):
-        if key.lower() == name:
-            return bytes(value)
-    return None
-
-
 def _request_id_header(scope: Scope) -> list[tuple[bytes, bytes]]:
-    value = _header(scope, b"x-request-id")
+    value = header(scope, b"x-request-id")
     return [(b"x-request-id", value)] if value is not None else []
 
 

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..edge._errors import RequestError
+from ..edge._steps import Edge
 from ..openai._schemas import (
     DetokenizeRequest,
     TokenizeRequest,
@@ -22,7 +23,6 @@ from ..openai._schemas import (
     tokenize_response,
     tokenizer_info_response,
 )
-from ..pooling._api import Edge
 
 Scope = dict[str, Any]
 Send = Callable[[dict[str, Any]], Awaitable[None]]

@@ -2,6 +2,8 @@
 
 from ._bodies import *  # noqa: F403
 from ._bodies import SSE_DONE as SSE_DONE
+from ._chat_bodies import *  # noqa: F403
+from ._completion_bodies import *  # noqa: F403
 from ._info_responses import *  # noqa: F403
 from ._request_params import to_sampling_params as to_sampling_params
 from ._requests import *  # noqa: F403

@@ -7,18 +7,9 @@ from collections.abc import Callable, Sequence
 
 from ...engine.client import Output, TokenLogprob
 from ..turn._chat_output import ChatOutputParser
-from ._bodies import (
-    EchoPrompt,
-    ResponseMeta,
-    TokenText,
-    Usage,
-    chat_completion_chunk,
-    chat_usage_chunk,
-    completion_chunk,
-    completion_usage_chunk,
-    tool_calls_finish,
-    usage_of,
-)
+from ._bodies import EchoPrompt, ResponseMeta, TokenText, Usage, usage_of
+from ._chat_bodies import chat_completion_chunk, chat_usage_chunk, tool_calls_finish
+from ._completion_bodies import completion_chunk, completion_usage_chunk
 from ._vllm_extras import Extras, chunk_usage
 
 

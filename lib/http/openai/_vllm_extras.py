@@ -21,8 +21,9 @@ import msgspec
 from ...engine.client import Output, PreparedRequest, TokenLogprob
 from ..turn._usage import Usage, usage
 
-if TYPE_CHECKING:  # (`openai/_bodies` imports this module)
-    from ._bodies import ChatCompletion, CompletionChoice
+if TYPE_CHECKING:  # (`_chat_bodies` and `_completion_bodies` import this module)
+    from ._chat_bodies import ChatCompletion
+    from ._completion_bodies import CompletionChoice
 
 LOGPROB_FLOOR = -9999.0  # vLLM's floor, as `openai/_bodies.MIN_LOGPROB`: JSON has no -inf
 

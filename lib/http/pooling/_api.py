@@ -19,9 +19,8 @@ from __future__ import annotations
 import functools
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from contextlib import contextmanager
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -39,6 +38,7 @@ from ...engine.client import (
     load_pooler_config,
 )
 from ..edge._errors import RequestError
+from ..edge._steps import Edge
 from ..metrics._metrics import Metrics
 from ._schema import (
     EmbeddingRequest,
@@ -54,25 +54,7 @@ from ._schema import (
 Scope = dict[str, Any]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Handler = Callable[..., Awaitable[None]]
-S = TypeVar("S")
 _encoder = msgspec.json.Encoder()
-
-
-class Decode(Protocol):
-    async def __call__(self, body: bytes, kind: type[S], /) -> S: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Edge:
-    """The app's steps every route takes (`_app.App` hands its own): read the body, decode it,
-    admit the request (503 dead or draining, 429 full), check the model, respond. So a
-    pooling request is read and admitted as any other without reaching into the app."""
-
-    read_body: Callable[[Scope, Any], Awaitable[bytes]]
-    decode: Decode
-    admitted: Callable[[], AbstractContextManager[Any]]
-    check_model: Callable[[str | None], None]
-    respond: Callable[[Send, int, bytes, list[tuple[bytes, bytes]]], Awaitable[None]]
 
 
 class PoolingAPI:

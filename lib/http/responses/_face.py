@@ -22,8 +22,7 @@ import msgspec
 
 from ...engine.client import TokenLogprob
 from ..edge._errors import RequestError
-from ..openai._bodies import TokenText
-from ..openai._bodies import _chat_logprobs as chat_logprobs
+from ..openai._bodies import TokenText, chat_logprobs
 from ..openai._requests import ChatMessage, MessageToolCall, ToolCallFunction
 from ..turn._turn import Block, BlockEvent, TurnBlocks
 from ._store import ResponseStore, StoredResponse

@@ -39,7 +39,8 @@ from ...engine.client import (
     LLMConfig,
     open_llm,
 )
-from ..edge._app import MAX_HEADER_BYTES, App, ServeConfig
+from ..edge._app import App
+from ..edge._config import MAX_HEADER_BYTES, ServeConfig
 from ..metrics._metrics import Metrics
 from ..turn._generate import DRAINING_LAST_WRITE_S
 from ..turn._tools import TOOL_CALL_PARSERS
