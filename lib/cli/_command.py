@@ -112,7 +112,7 @@ def serve_config(args: argparse.Namespace) -> tuple[ServeCommand, ServerConfig]:
 
 def serve_main(args: argparse.Namespace) -> int:
     """Serve (or, with --headless, run this node's ranks) until stopped; the exit status."""
-    from ..engine.protocol import NODE_TOKEN_ENV, link_key, read_node_token
+    from ..common.node_token import NODE_TOKEN_ENV, link_key, read_node_token
 
     command, config = serve_config(args)
     engine = config.llm.engine

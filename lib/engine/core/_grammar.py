@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..protocol._threads import start_thread
+from ...common.threads import start_thread
 
 MAX_COMPILED = 256  # compiled grammars kept for reuse, by text
 

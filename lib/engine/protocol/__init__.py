@@ -7,9 +7,5 @@ Both `..client` and `..core` import this; it imports neither.
 from ._config import EngineConfig as EngineConfig
 from ._config import EngineConfigError as EngineConfigError
 from ._errors import RemoteError as RemoteError
-from ._node_token import NODE_TOKEN_ENV as NODE_TOKEN_ENV
-from ._node_token import NodeTokenError as NodeTokenError
-from ._node_token import link_key as link_key
-from ._node_token import read_node_token as read_node_token
 from ._step_record import FinishReason as FinishReason
 from ._step_record import StepView as StepView

@@ -21,7 +21,7 @@ from typing import TypeVar
 import outcome
 import trio
 
-from ...protocol._threads import start_thread
+from ....common.threads import start_thread
 
 T = TypeVar("T")
 

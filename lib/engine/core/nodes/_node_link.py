@@ -40,13 +40,13 @@ from typing import Final
 
 import msgspec
 
-from ...protocol._node_token import NODE_TOKEN_ENV as NODE_TOKEN_ENV
-from ...protocol._node_token import TOKEN_HINT as TOKEN_HINT
-from ...protocol._node_token import NodeTokenError as NodeTokenError
-from ...protocol._node_token import link_key as link_key
-from ...protocol._node_token import node_token_from_environment as node_token_from_environment
-from ...protocol._node_token import read_node_token as read_node_token
-from ...protocol._node_token import without_node_token as without_node_token
+from ....common.node_token import NODE_TOKEN_ENV as NODE_TOKEN_ENV
+from ....common.node_token import TOKEN_HINT as TOKEN_HINT
+from ....common.node_token import NodeTokenError as NodeTokenError
+from ....common.node_token import link_key as link_key
+from ....common.node_token import node_token_from_environment as node_token_from_environment
+from ....common.node_token import read_node_token as read_node_token
+from ....common.node_token import without_node_token as without_node_token
 
 FRAME: Final = struct.Struct("<IIiIq")
 NODE_HELLO: Final = 201  # agent -> executor: client nonce, MAC, `NodeHello` msgpack

@@ -2,7 +2,7 @@
 
 Read at the command line's edge (`read_node_token`, `link_key`: a bad token is refused before
 anything starts), handed to the engine process in its environment, and used by the link's
-handshake (`engine.core._node_link`). Here, in the protocol both processes share, because the
+handshake (`engine.core.nodes._node_link`). Here, in what every process reads, because the
 CLI that runs the API process checks it and must not load the engine's code to do so.
 """
 
