@@ -201,6 +201,17 @@ def test_no_folder_but_the_models_holds_more_than_16_modules() -> None:
     assert not crowded, f"folders over 16 modules (give them rooms): {crowded}"
 
 
+def test_modules_stay_small() -> None:
+    """STYLE rule 3: about 150 lines, never over 400 (a module past that is two ideas)."""
+    sizes = sorted(
+        (len(p.read_text().splitlines()), str(p.relative_to(LIB))) for p in LIB.rglob("*.py")
+    )
+    large = [f"{name} ({n})" for n, name in sizes if n > 400]
+    assert not large, f"modules over 400 lines (split them by responsibility): {large}"
+    median = sizes[len(sizes) // 2][0]
+    assert median <= 150, f"the median module has {median} lines"
+
+
 def test_every_folder_says_which_process_it_runs_in() -> None:
     silent = []
     for init in sorted(LIB.rglob("__init__.py")):
