@@ -60,6 +60,36 @@ def test_the_header_and_the_body_field_pin_the_engine(two_engines: Server) -> No
         assert after["queries", other] == before["queries", other]
 
 
+TEXT = "the header pins this request to one engine of two " * 3
+FACES = [
+    ("completions", {"prompt": TEXT, "max_tokens": 2}),
+    ("chat/completions", {"messages": [{"role": "user", "content": TEXT}], "max_tokens": 2}),
+    ("responses", {"input": TEXT, "max_output_tokens": 2}),
+    ("messages", {"messages": [{"role": "user", "content": TEXT}], "max_tokens": 2}),
+    ("embeddings", {"input": TEXT}),
+]
+
+
+@pytest.mark.parametrize(("route", "body"), FACES, ids=[route for route, _ in FACES])
+def test_every_face_runs_on_the_engine_its_header_pins(
+    two_engines: Server, route: str, body: dict[str, Any]
+) -> None:
+    """Completions, chat, Responses, Messages and embeddings alike: the header's engine
+    looks the prompt up in its prefix cache, the other engine sees nothing."""
+    for engine, other in (("1", "0"), ("0", "1")):
+        before = counters(two_engines)
+        response = httpx.post(
+            f"{two_engines.base_url}/v1/{route}",
+            json={"model": "tiny", "temperature": 0, **body},
+            headers={"X-data-parallel-rank": engine},
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        after = counters(two_engines)
+        assert after["queries", engine] > before["queries", engine], (route, engine)
+        assert after["queries", other] == before["queries", other], (route, engine)
+
+
 @pytest.mark.parametrize(
     ("headers", "body", "param"),
     [

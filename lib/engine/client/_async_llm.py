@@ -223,6 +223,7 @@ class AsyncLLM:
         truncate_prompt_tokens: int | None = None,
         add_special_tokens: bool = True,
         cache_salt: str | None = None,
+        data_parallel_rank: int | None = None,
         run: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None,
     ) -> PoolingOutput:
         """Pool `prompt`'s final hidden states (embeddings): a prefill-only request in the
@@ -234,16 +235,19 @@ class AsyncLLM:
             add_special_tokens: the tokenizer's special tokens around a text (vLLM's).
             cache_salt: its tenant's prefix-cache salt, as generation's (LAST pooling reads
                 cached blocks: another salt's are never hits).
+            data_parallel_rank: the engine to run on (vLLM's), as `prepare`'s.
             run: runs the tokenising (the server hands it to a thread when it is large).
 
         Raises:
             InvalidPromptError: an empty prompt or a token id outside the vocabulary.
             PromptTooLongError: more tokens than the model's maximum length (param "input").
             SamplingParamsError: an empty or over-long `cache_salt`.
+            DataParallelRankError: `data_parallel_rank` is not in [0, data_parallel_size).
             EngineDeadError: every engine died.
         """
         self.engines.check_alive()
         params = SamplingParams(cache_salt=cache_salt)  # checks the salt as generation's
+        self.engines.check_rank(data_parallel_rank)
 
         def checked() -> list[int]:
             cut, special = truncate_prompt_tokens is not None, add_special_tokens
@@ -252,7 +256,7 @@ class AsyncLLM:
 
         ids: list[int] = checked() if run is None else await run(checked)
         options = SamplingOptions(pooling=int(pooling))
-        engine = await self.engines.choose(ids, cache_salt or "")
+        engine = await self.engines.choose(ids, cache_salt or "", data_parallel_rank)
         mailbox = Mailbox()
         state = self._inputs.new_state(next(self._rnums), mailbox, 0, ids, params)
         state.options, state.max_tokens = options, 1

@@ -98,12 +98,22 @@ class MessagesAPI:
         self.generation = generation
 
     async def create(
-        self, request: MessagesRequest, held: Held, receive: Any, send: Any, extra: list[Any]
+        self,
+        request: MessagesRequest,
+        held: Held,
+        receive: Any,
+        send: Any,
+        extra: list[Any],
+        *,
+        rank: int | None = None,
     ) -> None:
-        """Answer `request` with a message, whole or streamed as Anthropic's events."""
+        """Answer `request` with a message, whole or streamed as Anthropic's events, on
+        engine `rank` when its header pinned one."""
         check_thinking(request, self.generation.llm.config.reasoning_parser)
         with fields_renamed(MESSAGES_RENAMES):
-            plan = await self.generation.plan_chat(chat_request(request), held)
+            chat = chat_request(request)
+            chat.data_parallel_rank = rank  # the engine its header pinned (`Edge.rank`)
+            plan = await self.generation.plan_chat(chat, held)
         details = self.generation.config.enable_prompt_tokens_details
         await run_turn(
             self.generation,

@@ -32,7 +32,8 @@ class MessagesRoutes:
         with self.edge.admitted() as held:
             request = await self.edge.decode(body, MessagesRequest)
             self.edge.check_model(request.model)
-            await self.messages.create(request, held, receive, send, extra)
+            rank = self.edge.rank(scope, None)
+            await self.messages.create(request, held, receive, send, extra, rank=rank)
 
     async def count_tokens(
         self, scope: Scope, receive: Receive, send: Send, extra: list[Any]

@@ -54,6 +54,7 @@ from ._errors import (
     too_large,
     unauthorized,
 )
+from ._rank import pinned_rank
 from ._steps import Edge, Receive, Scope, Send, header
 
 
@@ -83,7 +84,14 @@ class App:
         self.models = ModelsAPI(
             llm, config.served_model_name, dev=config.enable_dev_endpoints, respond=self._respond
         )
-        edge = Edge(self._read_body, self._decode, self._admitted, self._check_model, self._respond)
+        edge = Edge(
+            self._read_body,
+            self._decode,
+            self._admitted,
+            self._check_model,
+            self._rank,
+            self._respond,
+        )
         self.responses = ResponsesAPI(self.generation, ResponseStore(config.responses_store_size))
         self.messages = MessagesAPI(self.generation)
         completions = CompletionRoutes(edge, self.generation)
@@ -289,6 +297,12 @@ class App:
     ) -> None:
         """Own the background responses' runs (`background: true`) until cancelled."""
         await self.responses.background.serve(task_status=task_status)
+
+    def _rank(self, scope: Scope, body: int | None) -> int | None:
+        """The engine a request is pinned to: its header, else `body` (the request's own
+        `data_parallel_rank`); None leaves it to the router."""
+        asked = header(scope, b"x-data-parallel-rank")
+        return pinned_rank(asked, body, len(self.llm.engines))
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.served_model_name:

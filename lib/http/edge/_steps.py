@@ -24,13 +24,16 @@ class Decode(Protocol):
 @dataclass(frozen=True, slots=True)
 class Edge:
     """The app's steps every route takes (`_app.App` hands its own): read the body, decode it,
-    admit the request (503 dead or draining, 429 full), check the model, respond. So a
-    face's request is read and admitted as any other without reaching into the app."""
+    admit the request (503 dead or draining, 429 full), check the model, pin the engine
+    (`rank`: the `X-data-parallel-rank` header, or the body's `data_parallel_rank` where the
+    face has one; `_rank.pinned_rank`), respond. So a face's request is read, admitted and
+    pinned as any other without reaching into the app."""
 
     read_body: Callable[[Scope, Any], Awaitable[bytes]]
     decode: Decode
     admitted: Callable[[], AbstractContextManager[Any]]
     check_model: Callable[[str | None], None]
+    rank: Callable[[Scope, int | None], int | None]
     respond: Callable[[Send, int, bytes, list[tuple[bytes, bytes]]], Awaitable[None]]
 
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..edge._rank import pinned_rank
-from ..edge._steps import Edge, Receive, Scope, Send, header
+from ..edge._steps import Edge, Receive, Scope, Send
 from ..turn._generate import Generation
 from ._requests import ChatCompletionRequest, CompletionRequest
 from ._stream import CompletionRunner
@@ -22,7 +21,6 @@ class CompletionRoutes:
     def __init__(self, edge: Edge, generation: Generation) -> None:
         self.edge = edge
         self.runner = CompletionRunner(generation)
-        self.llm = generation.llm
 
     async def completions(
         self, scope: Scope, receive: Receive, send: Send, extra: list[Any]
@@ -31,8 +29,7 @@ class CompletionRoutes:
         with self.edge.admitted() as held:
             request = await self.edge.decode(body, CompletionRequest)
             self.edge.check_model(request.model)
-            asked, size = header(scope, b"x-data-parallel-rank"), len(self.llm.engines)
-            request.data_parallel_rank = pinned_rank(asked, request.data_parallel_rank, size)
+            request.data_parallel_rank = self.edge.rank(scope, request.data_parallel_rank)
             await self.runner.completions(request, receive, send, extra, held)
 
     async def chat(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
@@ -40,6 +37,5 @@ class CompletionRoutes:
         with self.edge.admitted() as held:
             request = await self.edge.decode(body, ChatCompletionRequest)
             self.edge.check_model(request.model)
-            asked, size = header(scope, b"x-data-parallel-rank"), len(self.llm.engines)
-            request.data_parallel_rank = pinned_rank(asked, request.data_parallel_rank, size)
+            request.data_parallel_rank = self.edge.rank(scope, request.data_parallel_rank)
             await self.runner.chat(request, receive, send, extra, held)

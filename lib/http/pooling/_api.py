@@ -104,13 +104,14 @@ class PoolingAPI:
         with edge.admitted() as held:
             request = await edge.decode(body, EmbeddingRequest)
             edge.check_model(request.model)
+            rank = edge.rank(scope, None)
             prompts = inputs(request.input)
             held.grow(len(prompts), what=f"{len(prompts)} inputs", param="input")
             check_positive(request.dimensions, "dimensions")
             check_positive(request.truncate_prompt_tokens, "truncate_prompt_tokens")
             self._check_dimensions(request.dimensions)
             async with self.generation.running(receive) as watch:
-                outputs = await self._encode(prompts, "input", request)
+                outputs = await self._encode(prompts, "input", request, rank)
             if self._gone(watch):
                 return
             self._check_dimensions(request.dimensions)
@@ -133,6 +134,7 @@ class PoolingAPI:
         with edge.admitted() as held:
             request = await edge.decode(body, ScoreRequest)
             edge.check_model(request.model)
+            rank = edge.rank(scope, None)
             firsts = _texts(request.text_1, "text_1")
             seconds = _texts(request.text_2, "text_2")
             if len(firsts) != 1 and len(firsts) != len(seconds):
@@ -144,7 +146,9 @@ class PoolingAPI:
                 )
             held.grow(len(firsts) + len(seconds), what="texts", param="text_2")
             check_positive(request.truncate_prompt_tokens, "truncate_prompt_tokens")
-            pair = await self._encode_pair(receive, request, firsts, "text_1", seconds, "text_2")
+            pair = await self._encode_pair(
+                receive, request, firsts, "text_1", seconds, "text_2", rank
+            )
             if pair is None:
                 return
             left, right = pair
@@ -160,12 +164,15 @@ class PoolingAPI:
         with edge.admitted() as held:
             request = await edge.decode(body, RerankRequest)
             edge.check_model(request.model)
+            rank = edge.rank(scope, None)
             query = _texts(request.query, "query")
             documents = _texts(request.documents, "documents")
             held.grow(1 + len(documents), what="1 query + documents", param="documents")
             check_positive(request.top_n, "top_n")
             check_positive(request.truncate_prompt_tokens, "truncate_prompt_tokens")
-            pair = await self._encode_pair(receive, request, query, "query", documents, "documents")
+            pair = await self._encode_pair(
+                receive, request, query, "query", documents, "documents", rank
+            )
             if pair is None:
                 return
             left, right = pair
@@ -198,12 +205,13 @@ class PoolingAPI:
         left_field: str,
         rights: Sequence[Prompt],
         right_field: str,
+        rank: int | None,
     ) -> tuple[list[PoolingOutput], list[PoolingOutput]] | None:
-        """The two sides a score compares, encoded under the client's disconnect watch; None
-        when the client went away (nobody to answer)."""
+        """The two sides a score compares, encoded (on engine `rank`, when pinned) under the
+        client's disconnect watch; None when the client went away (nobody to answer)."""
         async with self.generation.running(receive) as watch:
-            left = await self._encode(list(lefts), left_field, request)
-            right = await self._encode(list(rights), right_field, request)
+            left = await self._encode(list(lefts), left_field, request, rank)
+            right = await self._encode(list(rights), right_field, request, rank)
         return None if self._gone(watch) else (left, right)
 
     def _gone(self, watch: trio.CancelScope) -> bool:
@@ -220,9 +228,11 @@ class PoolingAPI:
         prompts: list[Prompt],
         field: str,
         request: EmbeddingRequest | ScoreRequest | RerankRequest,
+        rank: int | None,
     ) -> list[PoolingOutput]:
         """Every prompt as one pooling request, all at once (they batch in the engine), with
-        the request's truncation, special tokens and cache salt.
+        the request's truncation, special tokens and cache salt, on engine `rank` when its
+        header pinned one.
 
         Raises:
             RequestError: 400 naming cache_salt when it is empty or too long.
@@ -251,6 +261,7 @@ class PoolingAPI:
                         truncate_prompt_tokens=truncate_prompt_tokens,
                         add_special_tokens=special,
                         cache_salt=salt,
+                        data_parallel_rank=rank,
                         run=run,
                     )
             except Exception as exc:

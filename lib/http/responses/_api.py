@@ -158,7 +158,14 @@ class ResponsesAPI:
         self.background = BackgroundResponses(generation, store)
 
     async def create(
-        self, request: ResponsesRequest, held: Held, receive: Any, send: Any, extra: list[Any]
+        self,
+        request: ResponsesRequest,
+        held: Held,
+        receive: Any,
+        send: Any,
+        extra: list[Any],
+        *,
+        rank: int | None = None,
     ) -> None:
         refuse_unserved(request, self.generation.llm.config.reasoning_parser)
         if request.background:
@@ -177,6 +184,7 @@ class ResponsesAPI:
         system = [ChatMessage("system", request.instructions)] if request.instructions else []
         with fields_renamed(RENAMES):
             chat = chat_request(request, system + history + given)
+            chat.data_parallel_rank = rank  # the engine its header pinned (`Edge.rank`)
             plan = await self.generation.plan_chat(chat, held)
         store = self.store if request.store is not False and self.store.enabled else None
         pieces = self.generation.llm.token_pieces if request.wants_logprobs else None

@@ -28,7 +28,8 @@ class ResponsesRoutes:
         with self.edge.admitted() as held:
             request = await self.edge.decode(body, ResponsesRequest)
             self.edge.check_model(request.model)
-            await self.responses.create(request, held, receive, send, extra)
+            rank = self.edge.rank(scope, None)
+            await self.responses.create(request, held, receive, send, extra, rank=rank)
 
     async def get(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
         stored = self.responses.store.get(scope["path"][len(ITEM_PREFIX) :])
