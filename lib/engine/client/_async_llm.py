@@ -246,7 +246,7 @@ class AsyncLLM:
             EngineDeadError: every engine died.
         """
         self.engines.check_alive()
-        params = SamplingParams(cache_salt=cache_salt)  # checks the salt as generation's
+        salt = SamplingParams(cache_salt=cache_salt).cache_salt or ""  # checked as generation's
         self.engines.check_rank(data_parallel_rank)
 
         def checked() -> list[int]:
@@ -256,9 +256,9 @@ class AsyncLLM:
 
         ids: list[int] = checked() if run is None else await run(checked)
         options = SamplingOptions(pooling=int(pooling))
-        engine = await self.engines.choose(ids, cache_salt or "", data_parallel_rank)
+        engine = await self.engines.choose(ids, salt, data_parallel_rank)
         mailbox = Mailbox()
-        state = self._inputs.new_state(next(self._rnums), mailbox, 0, ids, params)
+        state = self._inputs.new_pooling_state(next(self._rnums), mailbox, ids, salt)
         state.options, state.max_tokens = options, 1
         async with open_request(self.engines, engine, [state]):
             return await wait_pooled(mailbox, len(ids))

@@ -304,8 +304,14 @@ class LLM:
         vocab = self._inputs.ready.vocab_size
         for index in range(request.params.n):
             rnum = next(self._rnums)
-            state = self._inputs.new_state(
-                rnum, request.mailbox, index, request.token_ids, request.params
+            state = (
+                self._inputs.new_pooling_state(
+                    rnum, request.mailbox, request.token_ids, request.params.cache_salt or ""
+                )
+                if request.pooling
+                else self._inputs.new_state(
+                    rnum, request.mailbox, index, request.token_ids, request.params
+                )
             )
             request.states.append(state)
             self._processor.add(state)

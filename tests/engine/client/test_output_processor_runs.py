@@ -121,3 +121,31 @@ def test_without_stop_strings_a_run_is_one_push(
     assert step(rings, processor, run) == []
     (output,) = state.mailbox.pending.values()
     assert output.text == "The fox jumps over" and output.token_ids == run
+
+
+async def test_a_pooling_request_finishes_with_its_rows_and_no_text(
+    rings: tuple[RingWriter, RingReader],
+) -> None:
+    """A pooling state has no detokeniser and no stop strings (`new_pooling_state`): its
+    finishing record hands over the pooled rows, no text, no tokens."""
+    processor = OutputProcessor()
+    mailbox = Mailbox()
+    state = RequestState(
+        rnum=7, index=0, mailbox=mailbox, detokenizer=None, stop=None,
+        num_prompt_tokens=4, logprobs=None,
+    )  # fmt: skip
+    processor.add(state)
+    writer, reader = rings
+    rows = np.array([[0.5, -1.0, 2.0]], np.float32)
+    write_step(
+        writer, 0, np.array([7], np.uint64), np.array([0, 0], np.uint32),
+        np.zeros(0, np.int32), np.array([2], np.uint8),
+        pooled_rnums=np.array([7], np.uint64), pooled=rows,
+    )  # fmt: skip
+    _, payload = reader.peek(timeout=0)
+    assert processor.process_step(StepView(payload)) == []
+    reader.release()
+    (output,) = await mailbox.get()
+    assert output.finished and output.text == "" and output.token_ids == []
+    assert output.pooled is not None and np.array_equal(output.pooled, rows)
+    assert processor.get(7) is None  # finished: out of the table

@@ -241,6 +241,23 @@ class InputProcessor:
             prompt_embeds=prompt_embeds,
         )
 
+    def new_pooling_state(
+        self, rnum: int, mailbox: Mailbox, token_ids: list[int], cache_salt: str = ""
+    ) -> RequestState:
+        """The frontend's state of a pooling request (embeddings), numbered `rnum`: its rows
+        come back whole, so it has no detokeniser, no stop strings and no logprobs."""
+        return RequestState(
+            rnum=rnum,
+            index=0,
+            mailbox=mailbox,
+            detokenizer=None,
+            stop=None,
+            num_prompt_tokens=len(token_ids),
+            prompt_token_ids=token_ids,
+            logprobs=None,
+            cache_salt=cache_salt,
+        )
+
 
 def _template_error(exc: Exception) -> ChatTemplateError:
     """What the chat template raised, as the caller's error: its own words when it refused the

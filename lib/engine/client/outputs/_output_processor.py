@@ -30,7 +30,7 @@ class RequestState:
     rnum: int
     index: int
     mailbox: Mailbox
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: a pooling request (no text)
     stop: StopChecker | None
     num_prompt_tokens: int
     logprobs: int | None  # top logprobs wanted per token, or None
@@ -91,10 +91,10 @@ class OutputProcessor:
             if fed:
                 text, new, stopped = _push_until_stop(state, new)
             else:
-                text = state.detokenizer.push(new) if new else ""
+                text = state.detokenizer.push(new) if new and state.detokenizer else ""
             reason = FINISH_REASONS.get(finish[i]) if finish is not None else None
-            if reason is not None and not stopped:  # release a held, incomplete character
-                tail = state.detokenizer.flush()
+            if reason is not None and not stopped and state.detokenizer is not None:
+                tail = state.detokenizer.flush()  # release a held, incomplete character
                 if fed and state.stop is not None:
                     tail, stopped = state.stop.feed(tail)
                 text += tail
@@ -217,7 +217,7 @@ def _push_until_stop(state: RequestState, new: list[int]) -> tuple[str, list[int
     """Detokenise a row's tokens one at a time through its stop checker: a stop string that
     ends inside the run drops the tokens after it, as one token a step would never have
     produced them. Returns (text to emit, the tokens kept, whether a stop string ended it)."""
-    assert state.stop is not None
+    assert state.stop is not None and state.detokenizer is not None
     text = ""
     for j, token in enumerate(new):
         piece, stopped = state.stop.feed(state.detokenizer.push([token]))
