@@ -24,9 +24,9 @@ from trillm.http.anthropic._api import (
     MessagesRequest,
     anthropic_error_body,
     chat_request,
-    check_thinking,
     count_tokens_response,
 )
+from trillm.http.anthropic._checks import check_thinking
 from trillm.http.edge._errors import RequestError
 from trillm.http.openai._requests import ChatCompletionRequest
 from trillm.http.openai._schemas import decode_request

@@ -42,7 +42,7 @@ import json
 from typing import Any
 
 from ..edge._admission import Held
-from ..edge._errors import RequestError, fields_renamed
+from ..edge._errors import fields_renamed
 from ..openai._requests import ChatCompletionRequest, ChatMessage, MessageToolCall, ToolCallFunction
 from ..turn._constraints import (
     FunctionDef,
@@ -55,9 +55,15 @@ from ..turn._constraints import (
 )
 from ..turn._generate import Generation
 from ..turn._turn_runner import run_turn
+from ._checks import (
+    bad,
+    check_thinking,
+    check_thinking_config,
+    refuse_unsupported,
+    unsupported_block,
+)
 from ._schema import (
     Block,
-    Conversation,
     CountTokensRequest,
     Message,
     MessagesRequest,
@@ -77,18 +83,7 @@ MESSAGES_RENAMES = {
     "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
     "thinking_token_budget": "thinking.budget_tokens",
 }
-MIN_THINKING_BUDGET = 1024  # Anthropic's floor for thinking.budget_tokens
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # and "tool": named
-# Fields Anthropic defines for what this server does not have: a value (not null, not empty)
-# is a 400.
-REFUSED = {
-    "container": "no code-execution containers run here",
-    "mcp_servers": "this server connects to no MCP servers: offer their tools as custom tools",
-    "context_management": "nothing edits the context here: trim the messages yourself",
-    "diagnostics": "no prompt-cache diagnostics are kept",
-    "inference_geo": "inference runs where this server runs",
-}
-ALLOWED = {"speed": (None, "standard"), "service_tier": (None, "auto", "standard_only")}
 
 
 class MessagesAPI:
@@ -139,14 +134,14 @@ def chat_request(request: MessagesRequest | CountTokensRequest) -> ChatCompletio
     Raises:
         RequestError: 400 naming the field (in Anthropic's terms) the server cannot serve.
     """
-    _refuse_unsupported(request)
-    _check_thinking_config(request)
+    refuse_unsupported(request)
+    check_thinking_config(request)
     messages = _system_messages(request.system, "system")
     for i, message in enumerate(request.messages):
         messages += _chat_messages(message, f"messages[{i}]")
     last = len(request.messages) - 1
     if request.messages[last].role == "assistant":
-        raise _bad(
+        raise bad(
             f"messages[{last}].role",
             "the last message is the assistant's (a prefill), which this server does not "
             "continue: end the conversation with a user message",
@@ -179,79 +174,7 @@ def chat_request(request: MessagesRequest | CountTokensRequest) -> ChatCompletio
     )
 
 
-def check_thinking(
-    request: MessagesRequest | CountTokensRequest, reasoning_parser: str | None
-) -> None:
-    """Refuse thinking on a server whose turns are not split into reasoning and text.
-
-    `adaptive` thinking passes: the model decides whether to think, and a turn without
-    thinking blocks is one of its answers.
-
-    Raises:
-        RequestError: 400 (param `thinking`) when thinking is `enabled` and
-            `reasoning_parser` is None.
-    """
-    thinking = request.thinking
-    if thinking is None or thinking.type != "enabled" or reasoning_parser is not None:
-        return
-    raise RequestError(
-        400,
-        f"thinking is {thinking.type!r} but this server runs no reasoning parser, so it has no "
-        f'thinking to show: leave thinking out or send {{"type": "disabled"}} (or start the '
-        f"server with --reasoning-parser)",
-        param="thinking",
-    )
-
-
 # -- the parts ------------------------------------------------------------------------------
-
-
-def _bad(param: str, message: str) -> RequestError:
-    return RequestError(400, f"{param}: {message}", param=param)
-
-
-def _unsupported_block(block: Block, where: str, allowed: str) -> RequestError:
-    return _bad(
-        f"{where}.type",
-        f"blocks of type {block.type!r} are not supported here (the model reads text): send "
-        f"{allowed} blocks",
-    )
-
-
-def _refuse_unsupported(request: Conversation) -> None:
-    for name, why in REFUSED.items():
-        if getattr(request, name):
-            raise _bad(name, f"not supported ({why}); leave it out")
-    for name, allowed in ALLOWED.items():
-        value = getattr(request, name)
-        if value not in allowed:
-            others = ", ".join(repr(a) for a in allowed if a is not None)
-            raise _bad(name, f"{value!r} is not offered here; send {others} or leave it out")
-    config = request.output_config
-    if config is not None and config.effort is not None:
-        raise _bad("output_config.effort", "not supported (the model has one effort); leave it out")
-
-
-def _check_thinking_config(request: MessagesRequest | CountTokensRequest) -> None:
-    thinking = request.thinking
-    if thinking is None:
-        return
-    if thinking.type not in ("enabled", "adaptive", "disabled"):
-        raise _bad(
-            "thinking.type", f"must be 'enabled', 'adaptive' or 'disabled', got {thinking.type!r}"
-        )
-    if thinking.display == "omitted":
-        raise _bad("thinking.display", "'omitted' is not supported (thinking is shown as it is)")
-    if thinking.type != "enabled":
-        return
-    budget = thinking.budget_tokens
-    if budget is None:
-        raise _bad("thinking.budget_tokens", "required when thinking.type is 'enabled'")
-    if budget < MIN_THINKING_BUDGET:
-        raise _bad("thinking.budget_tokens", f"must be >= {MIN_THINKING_BUDGET}, got {budget}")
-    max_tokens = getattr(request, "max_tokens", None)
-    if max_tokens is not None and budget >= max_tokens:
-        raise _bad("thinking.budget_tokens", f"must be < max_tokens ({max_tokens}), got {budget}")
 
 
 def _text_of(blocks: list[Block], where: str) -> str:
@@ -259,16 +182,16 @@ def _text_of(blocks: list[Block], where: str) -> str:
     texts = []
     for j, block in enumerate(blocks):
         if block.type != "text":
-            raise _unsupported_block(block, f"{where}[{j}]", "'text'")
+            raise unsupported_block(block, f"{where}[{j}]", "'text'")
         texts.append(_text(block, f"{where}[{j}]"))
     return "\n".join(texts)
 
 
 def _text(block: Block, where: str) -> str:
     if block.citations is not None:
-        raise _bad(f"{where}.citations", "citations are not supported; leave them out")
+        raise bad(f"{where}.citations", "citations are not supported; leave them out")
     if block.text is None:
-        raise _bad(f"{where}.text", "required in a 'text' block")
+        raise bad(f"{where}.text", "required in a 'text' block")
     return block.text
 
 
@@ -285,7 +208,7 @@ def _chat_messages(message: Message, where: str) -> list[ChatMessage]:
     if role == "system":
         return _system_messages(content, f"{where}.content")
     if role not in ("user", "assistant"):
-        raise _bad(f"{where}.role", f"must be 'user' or 'assistant', got {role!r}")
+        raise bad(f"{where}.role", f"must be 'user' or 'assistant', got {role!r}")
     if isinstance(content, str):
         return [ChatMessage(role, content)]
     if role == "user":
@@ -303,7 +226,7 @@ def _user_messages(blocks: list[Block], where: str) -> list[ChatMessage]:
         elif block.type == "tool_result":
             results.append(_tool_message(block, at))
         else:
-            raise _unsupported_block(block, at, "'text' and 'tool_result'")
+            raise unsupported_block(block, at, "'text' and 'tool_result'")
     if texts or not results:
         results.append(ChatMessage("user", "\n".join(texts)))
     return results
@@ -311,7 +234,7 @@ def _user_messages(blocks: list[Block], where: str) -> list[ChatMessage]:
 
 def _tool_message(block: Block, where: str) -> ChatMessage:
     if block.tool_use_id is None:
-        raise _bad(f"{where}.tool_use_id", "required in a 'tool_result' block")
+        raise bad(f"{where}.tool_use_id", "required in a 'tool_result' block")
     content = block.content
     if content is None:
         text = ""
@@ -335,14 +258,14 @@ def _assistant_message(blocks: list[Block], where: str) -> ChatMessage:
         elif block.type == "tool_use":
             for name in ("id", "name", "input"):
                 if getattr(block, name) is None:
-                    raise _bad(f"{at}.{name}", "required in a 'tool_use' block")
+                    raise bad(f"{at}.{name}", "required in a 'tool_use' block")
             assert block.name is not None  # (checked above, for mypy)
             arguments = json.dumps(block.input)
             calls.append(MessageToolCall(ToolCallFunction(block.name, arguments), block.id))
         elif block.type == "thinking":
             reasoning.append(block.thinking or "")
         elif block.type != "redacted_thinking":  # Anthropic's encryption: nothing to read
-            raise _unsupported_block(block, at, "'text', 'tool_use' and 'thinking'")
+            raise unsupported_block(block, at, "'text', 'tool_use' and 'thinking'")
     content = "\n".join(texts) if texts or not calls else None
     return ChatMessage(
         "assistant",
@@ -354,20 +277,20 @@ def _assistant_message(blocks: list[Block], where: str) -> ChatMessage:
 
 def _tool(spec: ToolSpec, where: str) -> Tool:
     if spec.type not in (None, "custom"):
-        raise _bad(
+        raise bad(
             f"{where}.type",
             f"{spec.type!r} is one of Anthropic's server tools, which "
             f"this server does not run: define a custom tool (name, description, "
             f"input_schema) and run it yourself",
         )
     if spec.name is None:
-        raise _bad(f"{where}.name", "required")
+        raise bad(f"{where}.name", "required")
     if spec.input_schema is None:
-        raise _bad(f"{where}.input_schema", "required")
+        raise bad(f"{where}.input_schema", "required")
     if spec.defer_loading:
-        raise _bad(f"{where}.defer_loading", "not supported (there is no tool search here)")
+        raise bad(f"{where}.defer_loading", "not supported (there is no tool search here)")
     if spec.allowed_callers not in (None, ["direct"]):
-        raise _bad(f"{where}.allowed_callers", "only 'direct' callers are supported")
+        raise bad(f"{where}.allowed_callers", "only 'direct' callers are supported")
     description = spec.description
     if spec.input_examples:  # the model reads them where it reads the description
         examples = "\n".join(json.dumps(e) for e in spec.input_examples)
@@ -382,13 +305,11 @@ def _tool_choice(spec: ToolChoiceSpec | None) -> tuple[ToolChoice | None, bool]:
     parallel = not spec.disable_parallel_tool_use
     if spec.type == "tool":
         if spec.name is None:
-            raise _bad("tool_choice.name", "required when tool_choice.type is 'tool'")
+            raise bad("tool_choice.name", "required when tool_choice.type is 'tool'")
         return NamedToolChoice("function", NamedFunction(spec.name)), parallel
     choice = TOOL_CHOICES.get(spec.type)
     if choice is None:
-        raise _bad(
-            "tool_choice.type", f"must be 'auto', 'any', 'tool' or 'none', got {spec.type!r}"
-        )
+        raise bad("tool_choice.type", f"must be 'auto', 'any', 'tool' or 'none', got {spec.type!r}")
     return choice, parallel
 
 
@@ -396,9 +317,7 @@ def _response_format(config: OutputConfig | None) -> ResponseFormat | None:
     if config is None or config.format is None:
         return None
     if config.format.type != "json_schema":
-        raise _bad(
-            "output_config.format.type", f"must be 'json_schema', got {config.format.type!r}"
-        )
+        raise bad("output_config.format.type", f"must be 'json_schema', got {config.format.type!r}")
     if config.format.schema is None:
-        raise _bad("output_config.format.schema", "required")
+        raise bad("output_config.format.schema", "required")
     return ResponseFormat("json_schema", JsonSchemaFormat(schema=config.format.schema))

@@ -16,8 +16,8 @@ import contextlib
 import hmac
 import logging
 import math
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any, TypeVar
 
 import msgspec.structs
@@ -84,19 +84,12 @@ class App:
         self.models = ModelsAPI(
             llm, config.served_model_name, dev=config.enable_dev_endpoints, respond=self._respond
         )
-        edge = Edge(
-            self._read_body,
-            self._decode,
-            self._admitted,
-            self._check_model,
-            self._rank,
-            self._respond,
-        )
+        edge = Edge(self._open, self._rank, self._respond)
         self.responses = ResponsesAPI(self.generation, ResponseStore(config.responses_store_size))
         self.messages = MessagesAPI(self.generation)
         completions = CompletionRoutes(edge, self.generation)
         responses = ResponsesRoutes(edge, self.responses)
-        messages = MessagesRoutes(edge, self.messages, self.admission.hold)
+        messages = MessagesRoutes(edge, self.messages)
         self._routes: dict[tuple[str, str], Callable[..., Awaitable[None]]] = {
             ("GET", "/health"): self._health,
             ("GET", "/version"): self._version,
@@ -123,9 +116,7 @@ class App:
         }
         pooling = PoolingAPI(edge, self.generation, config.served_model_name)
         self._routes.update(pooling.routes())
-        tokenize = TokenizeAPI(
-            edge, self.generation, self.admission.hold, info=config.enable_tokenizer_info_endpoint
-        )
+        tokenize = TokenizeAPI(edge, self.generation, info=config.enable_tokenizer_info_endpoint)
         self._routes.update(tokenize.routes())
         if config.enable_runtime_lora_updating:
             lora = LoraRoutes(
@@ -297,6 +288,19 @@ class App:
     ) -> None:
         """Own the background responses' runs (`background: true`) until cancelled."""
         await self.responses.background.serve(task_status=task_status)
+
+    @asynccontextmanager
+    async def _open(
+        self, scope: Scope, receive: Receive, kind: type[S], /, *, light: bool = False
+    ) -> AsyncIterator[tuple[S, Held]]:
+        """Every route's prologue (`Edge.open`): the body read whole (before admission: a slow
+        client holds no place in the queue), the request admitted as generation (or `light`,
+        at weight 1 without the generation checks), decoded, its model checked."""
+        body = await self._read_body(scope, receive)
+        with self.admission.hold() if light else self._admitted() as held:
+            request = await self._decode(body, kind)
+            self._check_model(getattr(request, "model", None))
+            yield request, held
 
     def _rank(self, scope: Scope, body: int | None) -> int | None:
         """The engine a request is pinned to: its header, else `body` (the request's own

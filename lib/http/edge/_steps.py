@@ -7,7 +7,7 @@ the app hands them its own steps instead, and each is read and admitted as any o
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -17,22 +17,26 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 S = TypeVar("S")
 
 
-class Decode(Protocol):
-    async def __call__(self, body: bytes, kind: type[S], /) -> S: ...
+class Open(Protocol):
+    """A route's prologue, once for every route: read the body, admit the request (as
+    generation, or `light` as one tokenizer call), decode it as `kind`, check its model;
+    the block runs with the request and its share of the queue."""
+
+    def __call__(
+        self, scope: Scope, receive: Receive, kind: type[S], /, *, light: bool = False
+    ) -> AbstractAsyncContextManager[tuple[S, Any]]: ...
 
 
 @dataclass(frozen=True, slots=True)
 class Edge:
-    """The app's steps every route takes (`_app.App` hands its own): read the body, decode it,
-    admit the request (503 dead or draining, 429 full), check the model, pin the engine
-    (`rank`: the `X-data-parallel-rank` header, or the body's `data_parallel_rank` where the
-    face has one; `_rank.pinned_rank`), respond. So a face's request is read, admitted and
-    pinned as any other without reaching into the app."""
+    """The app's steps every route takes (`_app.App` hands its own): `open` reads the body,
+    admits the request (503 dead or draining, 429 full), decodes it and checks its model;
+    `rank` pins it to an engine (the `X-data-parallel-rank` header, or the body's
+    `data_parallel_rank` where the face has one: `_rank.pinned_rank`); `respond` answers. So
+    a face's request is read, admitted and pinned as any other, in one place, without
+    reaching into the app."""
 
-    read_body: Callable[[Scope, Any], Awaitable[bytes]]
-    decode: Decode
-    admitted: Callable[[], AbstractContextManager[Any]]
-    check_model: Callable[[str | None], None]
+    open: Open
     rank: Callable[[Scope, int | None], int | None]
     respond: Callable[[Send, int, bytes, list[tuple[bytes, bytes]]], Awaitable[None]]
 

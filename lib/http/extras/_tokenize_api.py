@@ -31,16 +31,13 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 class TokenizeAPI:
     """The tokenizer routes of one app; `routes()` goes into its route table.
 
-    `hold` admits at weight 1 without the generation checks (`Admission.hold`): a server
+    Each is admitted `light` (`Edge.open`: weight 1 without the generation checks): a server
     that is draining or whose engine died can still tokenise."""
 
-    def __init__(
-        self, edge: Edge, generation: Any, hold: Callable[[], Any], *, info: bool = False
-    ) -> None:
+    def __init__(self, edge: Edge, generation: Any, *, info: bool = False) -> None:
         self.edge = edge
         self.generation = generation
         self.llm = generation.llm
-        self.hold = hold
         self.info = info  # serve GET /tokenizer_info
 
     def routes(self) -> dict[tuple[str, str], Callable[..., Awaitable[None]]]:
@@ -53,10 +50,7 @@ class TokenizeAPI:
         return routes
 
     async def tokenize(self, scope: Scope, receive: Any, send: Send, extra: list[Any]) -> None:
-        body = await self.edge.read_body(scope, receive)
-        with self.hold():
-            request = await self.edge.decode(body, TokenizeRequest)
-            self.edge.check_model(request.model)
+        async with self.edge.open(scope, receive, TokenizeRequest, light=True) as (request, _):
             if request.messages is not None:  # a chat template carries its own special tokens
                 tokens = await self.generation.inputs.chat_prompt(
                     request.messages,
@@ -99,10 +93,7 @@ class TokenizeAPI:
         return ids
 
     async def detokenize(self, scope: Scope, receive: Any, send: Send, extra: list[Any]) -> None:
-        body = await self.edge.read_body(scope, receive)
-        with self.hold():
-            request = await self.edge.decode(body, DetokenizeRequest)
-            self.edge.check_model(request.model)
+        async with self.edge.open(scope, receive, DetokenizeRequest, light=True) as (request, _):
             tokens = request.tokens
             text = await self.generation.inputs.offload.run(len(tokens), self._detokenized, tokens)
         await self.edge.respond(send, 200, detokenize_response(text), extra)

@@ -25,17 +25,11 @@ class CompletionRoutes:
     async def completions(
         self, scope: Scope, receive: Receive, send: Send, extra: list[Any]
     ) -> None:
-        body = await self.edge.read_body(scope, receive)
-        with self.edge.admitted() as held:
-            request = await self.edge.decode(body, CompletionRequest)
-            self.edge.check_model(request.model)
+        async with self.edge.open(scope, receive, CompletionRequest) as (request, held):
             request.data_parallel_rank = self.edge.rank(scope, request.data_parallel_rank)
             await self.runner.completions(request, receive, send, extra, held)
 
     async def chat(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
-        body = await self.edge.read_body(scope, receive)
-        with self.edge.admitted() as held:
-            request = await self.edge.decode(body, ChatCompletionRequest)
-            self.edge.check_model(request.model)
+        async with self.edge.open(scope, receive, ChatCompletionRequest) as (request, held):
             request.data_parallel_rank = self.edge.rank(scope, request.data_parallel_rank)
             await self.runner.chat(request, receive, send, extra, held)

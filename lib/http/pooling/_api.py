@@ -100,10 +100,7 @@ class PoolingAPI:
         self, scope: Scope, receive: Any, send: Send, extra: Any, kind: str
     ) -> None:
         edge = self.edge
-        body = await edge.read_body(scope, receive)
-        with edge.admitted() as held:
-            request = await edge.decode(body, EmbeddingRequest)
-            edge.check_model(request.model)
+        async with edge.open(scope, receive, EmbeddingRequest) as (request, held):
             rank = edge.rank(scope, None)
             prompts = inputs(request.input)
             held.grow(len(prompts), what=f"{len(prompts)} inputs", param="input")
@@ -130,10 +127,7 @@ class PoolingAPI:
 
     async def _score(self, scope: Scope, receive: Any, send: Send, extra: Any) -> None:
         edge = self.edge
-        body = await edge.read_body(scope, receive)
-        with edge.admitted() as held:
-            request = await edge.decode(body, ScoreRequest)
-            edge.check_model(request.model)
+        async with edge.open(scope, receive, ScoreRequest) as (request, held):
             rank = edge.rank(scope, None)
             firsts = _texts(request.text_1, "text_1")
             seconds = _texts(request.text_2, "text_2")
@@ -160,10 +154,7 @@ class PoolingAPI:
 
     async def _rerank(self, scope: Scope, receive: Any, send: Send, extra: Any) -> None:
         edge = self.edge
-        body = await edge.read_body(scope, receive)
-        with edge.admitted() as held:
-            request = await edge.decode(body, RerankRequest)
-            edge.check_model(request.model)
+        async with edge.open(scope, receive, RerankRequest) as (request, held):
             rank = edge.rank(scope, None)
             query = _texts(request.query, "query")
             documents = _texts(request.documents, "documents")

@@ -24,10 +24,7 @@ class ResponsesRoutes:
         self.responses = responses
 
     async def create(self, scope: Scope, receive: Receive, send: Send, extra: list[Any]) -> None:
-        body = await self.edge.read_body(scope, receive)
-        with self.edge.admitted() as held:
-            request = await self.edge.decode(body, ResponsesRequest)
-            self.edge.check_model(request.model)
+        async with self.edge.open(scope, receive, ResponsesRequest) as (request, held):
             rank = self.edge.rank(scope, None)
             await self.responses.create(request, held, receive, send, extra, rank=rank)
 
