@@ -53,19 +53,28 @@ def import_targets(path: Path, lib: Path = LIB) -> set[str]:
     "trillm.engine.AsyncLLM"; `import trillm.http` gives "trillm.http".
     """
     found: set[str] = set()
-    parts_of_module = path.relative_to(lib).parts
-    package = ["trillm", *parts_of_module[:-1]]  # lib/engine/core/x.py -> trillm.engine.core
+    package = package_of(path, lib)
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level == 0:
-                base = (node.module or "").split(".")
-            else:
-                base = package[: len(package) - (node.level - 1)]
-                base += node.module.split(".") if node.module else []
+            base = from_base(node, package)
             found.update(".".join([*base, alias.name]) for alias in node.names)
     return {name for name in found if name.startswith("trillm.")}
+
+
+def package_of(path: Path, lib: Path = LIB) -> list[str]:
+    """The package a module's relative imports start from: lib/engine/core/x.py (and
+    lib/engine/core/__init__.py) -> trillm.engine.core."""
+    return ["trillm", *path.relative_to(lib).parts[:-1]]
+
+
+def from_base(node: ast.ImportFrom, package: list[str]) -> list[str]:
+    """The dotted module a `from X import ...` names, its dots resolved from `package`."""
+    if node.level == 0:
+        return (node.module or "").split(".")
+    base = package[: len(package) - (node.level - 1)]
+    return base + (node.module.split(".") if node.module else [])
 
 
 def trillm_imports(path: Path, package: str, lib: Path = LIB) -> set[str]:
@@ -247,9 +256,7 @@ def import_time_targets(path: Path, modules: set[str], lib: Path = LIB) -> set[s
     statements (and classes, `try`, `if`), not its functions nor `if TYPE_CHECKING:`.
     `from PKG import a` imports PKG unless `a` is one of PKG's modules (then only `a`:
     PKG is the package being initialised)."""
-    rel = path.relative_to(lib)
-    parts = list(rel.with_suffix("").parts)
-    package = ["trillm", *parts[:-1]]  # lib/gpu/x.py and lib/gpu/__init__.py: trillm.gpu
+    package = package_of(path, lib)
     found: set[str] = set()
 
     def visit(nodes: list[ast.stmt]) -> None:
@@ -266,11 +273,7 @@ def import_time_targets(path: Path, modules: set[str], lib: Path = LIB) -> set[s
                     visit(handler.body)
                 visit(node.finalbody)
             elif isinstance(node, ast.ImportFrom):
-                if node.level == 0:
-                    base = (node.module or "").split(".")
-                else:
-                    base = package[: len(package) - (node.level - 1)]
-                    base += node.module.split(".") if node.module else []
+                base = from_base(node, package)
                 names = {".".join([*base, alias.name]) for alias in node.names}
                 found.update(names & modules if names <= modules else {".".join(base)})
             elif isinstance(node, ast.Import):

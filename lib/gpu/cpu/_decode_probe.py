@@ -169,12 +169,10 @@ def _measure_size(
 
 
 def _block_bytes(step: CpuStep, model: LlamaForCausalLM) -> int:
-    """Bytes of one KV block over every layer (K and V)."""
+    """Bytes of one KV block over every layer (K and V): the probe runs at TP 1."""
     cfg = model.config
     element = torch.empty(0, dtype=step.dtype).element_size()
-    return (
-        2 * cfg.num_layers * int(step.desc.block_size) * cfg.num_kv_heads * cfg.head_dim * element
-    )
+    return cfg.kv_block_bytes(int(step.desc.block_size), cfg.num_kv_heads, element)
 
 
 def _key(

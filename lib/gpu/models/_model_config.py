@@ -132,6 +132,12 @@ class ModelConfig:
     def uses_rope(self, layer: int) -> bool:
         return self.layer_rope[layer] if self.layer_rope else True
 
+    def kv_block_bytes(self, block_size: int, kv_heads: int, element_size: int) -> int:
+        """Bytes one paged-KV block takes over every layer (K and V), for `kv_heads` heads
+        (a rank's share of them) of `element_size`-byte values: the one formula the runner
+        sizes its cache by and the CPU probe its own."""
+        return 2 * self.num_layers * block_size * kv_heads * self.head_dim * element_size
+
     def is_moe_layer(self, layer: int) -> bool:
         return self.is_moe and (self.moe_layers[layer] if self.moe_layers else True)
 

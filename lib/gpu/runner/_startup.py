@@ -146,8 +146,9 @@ def kv_bytes_per_block(
 ) -> int:
     """Bytes one KV block of the model takes on this rank, over every layer (K and V)."""
     heads = tp.split(model_config.num_kv_heads, "num_key_value_heads")
-    element = torch.empty(0, dtype=dtype).element_size()
-    return 2 * model_config.num_layers * block_size * heads * model_config.head_dim * element
+    return model_config.kv_block_bytes(
+        block_size, heads, torch.empty(0, dtype=dtype).element_size()
+    )
 
 
 def kv_cache_tensors(

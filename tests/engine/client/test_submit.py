@@ -65,7 +65,7 @@ def children(n: int) -> list[RequestState]:
             rnum=r,
             index=r - 1,
             mailbox=mailbox,
-            detokenizer=None,  # type: ignore[arg-type]
+            detokenizer=None,  # open_request never reads it
             stop=None,
             num_prompt_tokens=1,
             logprobs=None,

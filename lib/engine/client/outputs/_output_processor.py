@@ -91,7 +91,7 @@ class OutputProcessor:
             if fed:
                 text, new, stopped = _push_until_stop(state, new)
             else:
-                text = state.detokenizer.push(new) if new and state.detokenizer else ""
+                text = state.detokenizer.push(new) if new and state.detokenizer is not None else ""
             reason = FINISH_REASONS.get(finish[i]) if finish is not None else None
             if reason is not None and not stopped and state.detokenizer is not None:
                 tail = state.detokenizer.flush()  # release a held, incomplete character
